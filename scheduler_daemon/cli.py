@@ -1,0 +1,214 @@
+"""The ``scheduler-daemon`` command line.
+
+Every command reads the same configuration (file from ``--config``/``SCHEDULER_CONFIG``,
+then ``SCHEDULER_*`` variables) and reports a refusal as one line on stderr with a
+sysexits-style exit code: 78 invalid config, 69 database unavailable, 65 bad input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import sys
+from collections.abc import Callable, Coroutine
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from . import __version__
+from .client import Client
+from .config import LogSettings, Settings, load_settings, parse_duration
+from .daemon import Daemon
+from .db import Publication
+from .db.connect import connect
+from .errors import InvalidInput, SchedulerError
+from .logs import configure_logging, get_logger
+from .signals import stop_on_signals
+from .status import collect_status, render_status
+
+F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
+
+config_option = click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="TOML config file (env: SCHEDULER_CONFIG). SCHEDULER_* variables override it.",
+)
+
+
+def _fail(error: SchedulerError) -> None:
+    click.echo(f"scheduler-daemon: {error}", err=True)
+    sys.exit(error.exit_code)
+
+
+def handles_errors(command: F) -> F:
+    """Turn the daemon's own errors into one line and an exit code, not a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except SchedulerError as error:
+            _fail(error)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _settings(config_file: Path | None, quiet: bool = True) -> Settings:
+    settings = load_settings(config_file)
+    # One-shot commands only log problems (e.g. retries); `run` logs at the configured level.
+    level = "warning" if quiet and settings.log.level in ("debug", "info") else settings.log.level
+    configure_logging(LogSettings(format=settings.log.format, level=level))
+    return settings
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="scheduler-daemon")
+def cli() -> None:
+    """A replicated scheduler: run any number of replicas; the database picks one per loop."""
+
+
+@cli.command()
+@config_option
+@click.option(
+    "--only",
+    type=click.Choice(["publish", "plugin"]),
+    default=None,
+    help="Run just this loop (both enabled loops run by default).",
+)
+@handles_errors
+def run(config_file: Path | None, only: str | None) -> None:
+    """Run the daemon until SIGTERM/SIGINT (migrates first)."""
+    settings = _settings(config_file, quiet=False)
+    log = get_logger(instance=settings.instance_id)
+
+    async def main() -> int:
+        daemon = Daemon(settings, log, only=only)  # type: ignore[arg-type]
+        with stop_on_signals(
+            graceful=lambda sig: daemon.request_stop(sig.name),
+            force=lambda sig: daemon.force_stop(sig.name),
+        ):
+            return await daemon.run()
+
+    sys.exit(_run(main()))
+
+
+@cli.command()
+@config_option
+@handles_errors
+def migrate(config_file: Path | None) -> None:
+    """Create or upgrade the schema. Safe to run from many replicas at once."""
+    settings = _settings(config_file)
+
+    async def main() -> None:
+        store = await connect(settings, get_logger(instance=settings.instance_id))
+        try:
+            applied = await store.migrate()
+            version = await store.schema_version()
+        finally:
+            await store.close()
+        names = ", ".join(f"{m.version:04d}_{m.name}" for m in applied) or "nothing to apply"
+        click.echo(f"schema at version {version} ({names})")
+
+    _run(main())
+
+
+@cli.command("check-config")
+@config_option
+@handles_errors
+def check_config(config_file: Path | None) -> None:
+    """Validate and print the effective config (secrets redacted); exit 78 if invalid."""
+    settings = load_settings(config_file)
+    click.echo(json.dumps(settings.redacted(), indent=2))
+
+
+def parse_when(text: str, now: datetime | None = None) -> datetime:
+    """ISO 8601 with a timezone (``2027-01-01T09:00:00+02:00``, ``…Z``) or ``+10m``."""
+    text = text.strip()
+    if text.startswith("+"):
+        try:
+            seconds = parse_duration(text[1:])
+        except ValueError:
+            raise InvalidInput(f"--at {text!r}: not a relative time like +90s or +10m") from None
+        return (now or datetime.now(UTC)) + timedelta(seconds=seconds)
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidInput(f"--at {text!r}: not an ISO 8601 time") from None
+    if when.tzinfo is None:
+        raise InvalidInput(f"--at {text!r}: give a timezone (e.g. Z or +02:00)")
+    return when
+
+
+def _describe(publication: Publication) -> dict[str, Any]:
+    return {
+        "id": publication.id,
+        "key": publication.key,
+        "status": publication.status,
+        "publish_at": publication.publish_at.isoformat(),
+    }
+
+
+@cli.command()
+@config_option
+@click.option("--at", "at", required=True, help="When: ISO 8601 with timezone, or +10m.")
+@click.option("--payload", default="{}", show_default=True, help="JSON payload.")
+@click.option("--key", default=None, help="Idempotency key: scheduling it again is a no-op.")
+@handles_errors
+def schedule(config_file: Path | None, at: str, payload: str, key: str | None) -> None:
+    """Schedule a publication and print its id."""
+    settings = _settings(config_file)
+    when = parse_when(at)
+    try:
+        data = json.loads(payload)
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"--payload is not valid JSON: {exc}") from None
+
+    async def main() -> None:
+        async with Client.connect(settings) as client:
+            result = await client.schedule(when, data, key=key)
+        if not result.created:
+            click.echo(f"key {key!r} already scheduled as id {result.publication.id}", err=True)
+        click.echo(result.publication.id)
+
+    _run(main())
+
+
+@cli.command()
+@config_option
+@click.argument("publication_id", type=int)
+@handles_errors
+def cancel(config_file: Path | None, publication_id: int) -> None:
+    """Cancel a scheduled publication."""
+    settings = _settings(config_file)
+
+    async def main() -> None:
+        async with Client.connect(settings) as client:
+            publication = await client.cancel(publication_id)
+        click.echo(json.dumps(_describe(publication)))
+
+    _run(main())
+
+
+@cli.command()
+@config_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@handles_errors
+def status(config_file: Path | None, as_json: bool) -> None:
+    """Per loop: leader, standbys, backlog, next due."""
+    settings = _settings(config_file)
+    report = _run(collect_status(settings))
+    click.echo(json.dumps(report, indent=2) if as_json else render_status(report))
+
+
+def main() -> None:
+    cli()

@@ -1,0 +1,276 @@
+"""Configuration: defaults < TOML file < environment (``SCHEDULER_*``, nested with ``__``).
+
+Everything the daemon can be told lives in :class:`Settings`. It is validated once, at the
+edge; the rest of the code receives plain, already-checked values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from .db.url import DatabaseUrl
+from .errors import ConfigError
+
+CONFIG_FILE_ENV = "SCHEDULER_CONFIG"
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration(value: Any) -> Any:
+    """Accept ``5``, ``2.5``, ``"5s"``, ``"250ms"``, ``"2m"``, ``"1h"``; return seconds.
+
+    Anything else is passed through for pydantic to reject with its usual message.
+    """
+    if isinstance(value, bool):
+        return value  # bool is an int: let the float validator refuse it
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        match = _DURATION_RE.match(value)
+        if match is None:
+            raise ValueError(f"not a duration: {value!r} (use e.g. 5, '5s', '250ms', '2m')")
+        number, unit = match.groups()
+        return float(number) * _DURATION_UNITS[unit]
+    return value
+
+
+# Seconds, as a float. Positive: zero-length intervals and timeouts are always a mistake.
+Duration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0)]
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def lock_key_from_name(name: str) -> int:
+    """The stable 64-bit signed lock key for a name: the first 8 bytes of its SHA-256.
+
+    Stable across Python versions, processes and machines (unlike ``hash()``), so replicas
+    configured with the same name always contend for the same key.
+    """
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
+
+
+def parse_lock_key(value: Any) -> Any:
+    """An advisory-lock key: an integer, a hex string (``0x…``), or a name to hash.
+
+    Unsigned 64-bit values are folded into PostgreSQL's signed ``bigint`` range
+    (two's complement), so ``0xffffffffffffffff`` is ``-1``.
+    """
+    if isinstance(value, bool):
+        raise ValueError("a lock key cannot be a boolean")
+    if isinstance(value, str):
+        text = value.strip()
+        if re.fullmatch(r"[+-]?\d+", text):
+            value = int(text)
+        elif re.fullmatch(r"0[xX][0-9a-fA-F]+", text):
+            value = int(text, 16)
+        elif text:
+            return lock_key_from_name(text)
+        else:
+            raise ValueError("a lock key cannot be empty")
+    if isinstance(value, int):
+        if _INT64_MAX < value < 2**64:
+            value -= 2**64
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            raise ValueError(f"lock key {value} does not fit in 64 bits")
+        return value
+    return value
+
+
+LockKey = Annotated[int, BeforeValidator(parse_lock_key)]
+
+DEFAULT_PUBLISH_KEY = 0x9A37B7A1
+DEFAULT_PLUGIN_KEY = 0x7B9C5F3E
+
+
+class Section(BaseModel):
+    """Config sections refuse unknown keys so a typo is an error, not a silent default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DatabaseSettings(Section):
+    pool_min_size: int = Field(default=1, ge=0)
+    pool_max_size: int = Field(default=5, ge=1)
+    connect_timeout: Duration = 5.0
+    statement_timeout: Duration = 30.0
+    startup_budget: Duration = 60.0
+
+    @model_validator(mode="after")
+    def _pool_bounds(self) -> DatabaseSettings:
+        if self.pool_min_size > self.pool_max_size:
+            raise ValueError("pool_min_size must not exceed pool_max_size")
+        return self
+
+
+class PublishSettings(Section):
+    enabled: bool = True
+    interval: Duration = 5.0
+    batch_size: int = Field(default=500, ge=1, le=100_000)
+    publishers: list[str] = Field(default_factory=list)
+    max_payload_bytes: int = Field(default=1024 * 1024, ge=2)
+
+
+class PluginTaskSettings(Section):
+    name: str = Field(min_length=1)
+    every: Duration | None = None
+    cron: str | None = None
+    timezone: str = "UTC"
+    timeout: Duration = 300.0
+    misfire: Literal["run_once", "skip"] = "run_once"
+    enabled: bool = True
+    target: str | None = None
+    sql: str | None = None
+
+    @model_validator(mode="after")
+    def _one_schedule_one_action(self) -> PluginTaskSettings:
+        if (self.every is None) == (self.cron is None):
+            raise ValueError(f"task {self.name!r}: give exactly one of 'every' and 'cron'")
+        if (self.target is None) == (self.sql is None):
+            raise ValueError(f"task {self.name!r}: give exactly one of 'target' and 'sql'")
+        return self
+
+
+class PluginSettings(Section):
+    enabled: bool = True
+    interval: Duration = 1.0
+    tasks: list[PluginTaskSettings] = Field(default_factory=list)
+
+    @field_validator("tasks")
+    @classmethod
+    def _unique_names(cls, tasks: list[PluginTaskSettings]) -> list[PluginTaskSettings]:
+        seen: set[str] = set()
+        for task in tasks:
+            if task.name in seen:
+                raise ValueError(f"duplicate task name {task.name!r}")
+            seen.add(task.name)
+        return tasks
+
+
+class LockKeys(Section):
+    publish: LockKey = DEFAULT_PUBLISH_KEY
+    plugin: LockKey = DEFAULT_PLUGIN_KEY
+
+
+class LockSettings(Section):
+    mode: Literal["session", "transaction"] = "session"
+    keys: LockKeys = Field(default_factory=LockKeys)
+    heartbeat_interval: Duration = 2.0
+    stall_timeout: Duration = 15.0
+
+
+class HttpSettings(Section):
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(default=9464, ge=0, le=65535)
+
+
+class LogSettings(Section):
+    format: Literal["auto", "json", "console"] = "auto"
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _lowercase(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+
+def default_instance_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="SCHEDULER_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+    )
+
+    database_url: DatabaseUrl = Field(
+        default_factory=lambda: DatabaseUrl.parse("sqlite:///./scheduler.db")
+    )
+    instance_id: str = Field(default_factory=default_instance_id, min_length=1)
+    shutdown_timeout: Duration = 30.0
+    database: DatabaseSettings = Field(default_factory=DatabaseSettings)
+    publish: PublishSettings = Field(default_factory=PublishSettings)
+    plugin: PluginSettings = Field(default_factory=PluginSettings)
+    lock: LockSettings = Field(default_factory=LockSettings)
+    http: HttpSettings = Field(default_factory=HttpSettings)
+    log: LogSettings = Field(default_factory=LogSettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The TOML file's contents arrive as init kwargs (see load_settings); listing
+        # env first makes the environment win over the file.
+        return (env_settings, init_settings)
+
+    def redacted(self) -> dict[str, Any]:
+        """The effective config as plain data, safe to print or serve."""
+        data = self.model_dump(mode="json")
+        data["database_url"] = self.database_url.redacted
+        return data
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path}: not found") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: invalid TOML: {exc}") from None
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    location = ".".join(str(part) for part in error["loc"]) or "config"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        return f"{location}: unknown key"
+    if location == "database_url":
+        return f"{location}: {message}"  # the input may hold a password: never echo it
+    return f"{location}: {message} (got {error.get('input')!r})"
+
+
+def load_settings(config_file: str | Path | None = None) -> Settings:
+    """Build the effective settings; raise :class:`ConfigError` with one line naming the key."""
+    path = config_file or os.environ.get(CONFIG_FILE_ENV) or None
+    file_values = _read_toml(Path(path)) if path else {}
+    try:
+        return Settings(**file_values)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        first = _describe(errors[0])
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise ConfigError(f"invalid config: {first}{more}") from None

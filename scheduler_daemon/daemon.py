@@ -1,0 +1,161 @@
+"""The daemon process: connect, migrate, run the loops, stop cleanly.
+
+Lifecycle (one AsyncExitStack owns every resource; each step registers its own cleanup):
+
+1. connect to the database, retrying within ``database.startup_budget`` (exit 69 after);
+2. migrate (serialised across replicas);
+3. start one owned task per enabled loop and wait until each has really started;
+4. run until a stop is requested, or until a loop task ends by itself — a bug, so the
+   daemon exits non-zero and lets its supervisor restart it rather than limp on;
+5. stop: ask the loops to finish their tick, wait up to ``shutdown_timeout``, then cancel
+   what is left and wait for the cancellation to land; close the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Coroutine, Mapping
+from contextlib import AsyncExitStack
+from typing import Any, Literal, TypeVar
+
+from . import db
+from .config import Settings
+from .db.connect import connect
+from .errors import EXIT_OK
+from .logs import Logger
+from .loops.base import LoopRunner, LoopWork
+from .loops.plugin import PluginWork
+from .loops.publish import PublishWork
+
+LoopName = Literal["publish", "plugin"]
+EXIT_SOFTWARE = 70  # EX_SOFTWARE: a loop died; the supervisor should restart us
+EXIT_FORCED = 130  # a second signal cut the graceful stop short
+
+T = TypeVar("T")
+
+
+class Daemon:
+    def __init__(self, settings: Settings, log: Logger, only: LoopName | None = None) -> None:
+        self.settings = settings
+        self.log = log
+        self.only = only
+        self.stopping = asyncio.Event()
+        self.started = asyncio.Event()
+        self.forced = False
+        self._main: asyncio.Task[Any] | None = None
+
+    def request_stop(self, reason: str) -> None:
+        if not self.stopping.is_set():
+            self.log.info("daemon.stopping", reason=reason)
+            self.stopping.set()
+
+    def force_stop(self, reason: str) -> None:
+        self.log.warning("daemon.forced_stop", reason=reason)
+        self.forced = True
+        self.stopping.set()
+        if self._main is not None:
+            self._main.cancel()
+
+    def enabled_loops(self) -> list[LoopName]:
+        wanted: list[LoopName] = []
+        if self.settings.publish.enabled and self.only in (None, "publish"):
+            wanted.append("publish")
+        if self.settings.plugin.enabled and self.only in (None, "plugin"):
+            wanted.append("plugin")
+        return wanted
+
+    def _build(self, name: LoopName, store: db.Store) -> tuple[LoopWork, float]:
+        if name == "publish":
+            return PublishWork(store), self.settings.publish.interval
+        return PluginWork(self.settings.plugin.tasks), self.settings.plugin.interval
+
+    async def run(self) -> int:
+        """Run until stopped; return the process exit code."""
+        self._main = asyncio.current_task()
+        try:
+            return await self._run()
+        except asyncio.CancelledError:
+            if not self.forced:
+                raise
+            return EXIT_FORCED
+
+    async def _run(self) -> int:
+        async with AsyncExitStack() as stack:
+            store = await self._until_stopped(connect(self.settings, self.log))
+            if store is None:
+                return EXIT_OK
+            stack.push_async_callback(store.close)
+            applied = await store.migrate()
+            self.log.info(
+                "db.migrated",
+                backend=store.backend,
+                applied=[m.version for m in applied],
+                version=await store.schema_version(),
+            )
+
+            runners = {}
+            for name in self.enabled_loops():
+                work, interval = self._build(name, store)
+                runners[name] = LoopRunner(work, interval, self.stopping, self.log)
+            tasks = {
+                name: asyncio.create_task(runner.run(), name=f"loop:{name}")
+                for name, runner in runners.items()
+            }
+            stack.push_async_callback(self._stop_tasks, tasks)
+            await asyncio.gather(*(runner.started.wait() for runner in runners.values()))
+            self.started.set()
+            self.log.info(
+                "daemon.started", loops=list(runners), database=str(self.settings.database_url)
+            )
+            return await self._monitor(tasks)
+
+    async def _until_stopped(self, startup: Coroutine[Any, Any, T]) -> T | None:
+        """Await a startup step unless a stop is requested first (then return None)."""
+        step = asyncio.ensure_future(startup)
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait([step, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not step.done():
+                step.cancel()
+            await asyncio.gather(stop, step, return_exceptions=True)
+        return step.result() if step.done() and not step.cancelled() else None
+
+    async def _monitor(self, tasks: Mapping[LoopName, asyncio.Task[None]]) -> int:
+        if not tasks:
+            self.log.warning("daemon.no_loops", hint="both loops are disabled")
+            await self.stopping.wait()
+            return EXIT_OK
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait([stop, *tasks.values()], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stop
+        if self.stopping.is_set():
+            return EXIT_OK
+        for name, task in tasks.items():
+            if task.done():
+                error = task.exception() if not task.cancelled() else None
+                self.log.error("loop.died", loop=name, error=repr(error))
+        self.stopping.set()
+        return EXIT_SOFTWARE
+
+    async def _stop_tasks(self, tasks: Mapping[LoopName, asyncio.Task[None]]) -> None:
+        self.stopping.set()
+        pending = [task for task in tasks.values() if not task.done()]
+        try:
+            if pending and not self.forced:
+                await asyncio.wait(pending, timeout=self.settings.shutdown_timeout)
+        finally:
+            # Also reached when a second signal cancels the graceful wait above.
+            for task in pending:
+                if not task.done():
+                    reason = "forced" if self.forced else "shutdown_timeout"
+                    self.log.warning("loop.cancelled", loop=task.get_name()[5:], reason=reason)
+                    task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            self.log.info("daemon.stopped")

@@ -1,0 +1,89 @@
+"""What the daemon needs of a database, whatever the backend.
+
+Each backend (``postgres``, ``sqlite``) implements :class:`Store` in its own module and
+keeps its SQL in a ``<backend>.sql`` file beside it. Callers never branch on the backend
+for business logic; they branch on capability flags such as :attr:`Store.supports_notify`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal, Protocol
+
+from .url import Backend, DatabaseUrl
+
+PublicationStatus = Literal["scheduled", "published", "cancelled", "failed"]
+
+
+@dataclass(frozen=True, slots=True)
+class Publication:
+    id: int
+    key: str | None
+    payload: Any
+    publish_at: datetime
+    status: PublicationStatus
+    published_at: datetime | None
+    published_by: str | None
+    attempts: int
+    last_error: str | None
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleResult:
+    publication: Publication
+    created: bool  # False: the idempotency key already named this publication
+
+
+@dataclass(frozen=True, slots=True)
+class PublicationStats:
+    scheduled: int  # rows waiting, due or not
+    due: int  # rows whose publish_at has passed by the database's clock (the backlog)
+    next_due: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class AppliedMigration:
+    version: int
+    name: str
+
+
+class Store(Protocol):
+    """A connected database. Methods are safe to call concurrently from one event loop.
+
+    Rules every backend keeps:
+    - "now" is the database's clock, never this process's;
+    - every method either commits all of its effect or none of it;
+    - errors that mean "the database is unreachable" surface as ``OSError`` or the
+      driver's connection errors, never as a silent success.
+    """
+
+    @property
+    def backend(self) -> Backend: ...
+
+    @property
+    def url(self) -> DatabaseUrl: ...
+
+    async def migrate(self) -> list[AppliedMigration]:
+        """Bring the schema up to date, serialised against concurrent migrators.
+
+        Returns what this call applied (empty when another replica already did).
+        """
+        ...
+
+    async def schema_version(self) -> int | None:
+        """The newest applied migration, or None on an empty database."""
+        ...
+
+    async def schedule(
+        self, publish_at: datetime, payload_json: str, key: str | None
+    ) -> ScheduleResult: ...
+
+    async def cancel(self, publication_id: int) -> Publication: ...
+
+    async def get(self, publication_id: int) -> Publication | None: ...
+
+    async def publication_stats(self) -> PublicationStats: ...
+
+    async def close(self) -> None: ...

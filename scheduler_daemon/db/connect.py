@@ -1,0 +1,90 @@
+"""Open the configured store: pick the backend from the URL, retry within a startup budget."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+from ..config import Settings
+from ..errors import DatabaseUnavailable
+from ..logs import Logger
+from .base import Store
+from .url import redact
+
+
+async def open_store(settings: Settings) -> Store:
+    """One attempt to open the configured store."""
+    if settings.database_url.backend == "postgres":
+        from .postgres import PostgresStore
+
+        return await PostgresStore.open(settings)
+    from .sqlite import SqliteStore
+
+    return await SqliteStore.open(settings)
+
+
+class Backoff:
+    """Exponential backoff with full jitter, so restarted replicas do not retry in step."""
+
+    def __init__(self, initial: float = 0.1, maximum: float = 5.0) -> None:
+        self.initial = initial
+        self.maximum = maximum
+        self.attempt = 0
+
+    def next_delay(self) -> float:
+        ceiling = min(self.maximum, self.initial * 2**self.attempt)
+        self.attempt += 1
+        return random.uniform(ceiling / 2, ceiling)
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+async def connect(settings: Settings, log: Logger) -> Store:
+    """Open the store, retrying with backoff until ``database.startup_budget`` runs out.
+
+    Raises :class:`DatabaseUnavailable` (exit 69) with the last error, password redacted.
+    """
+    budget = settings.database.startup_budget
+    deadline = time.monotonic() + budget
+    backoff = Backoff()
+    while True:
+        try:
+            return await asyncio.wait_for(
+                open_store(settings), timeout=settings.database.connect_timeout * 2
+            )
+        except Exception as exc:
+            error = redact(f"{type(exc).__name__}: {exc}")
+            if not _is_transient(exc):
+                raise DatabaseUnavailable(f"database {settings.database_url}: {error}") from None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DatabaseUnavailable(
+                    f"database {settings.database_url} unreachable for {budget:g}s "
+                    f"(database.startup_budget): {error}"
+                ) from None
+            delay = min(backoff.next_delay(), remaining)
+            log.warning(
+                "db.connect_failed",
+                url=str(settings.database_url),
+                error=error,
+                retry_in=round(delay, 3),
+                attempt=backoff.attempt,
+            )
+            await asyncio.sleep(delay)
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """Errors worth retrying at startup: the server is down, starting, or unreachable.
+
+    Authentication failures and unknown databases are configuration problems: retrying
+    them for a minute would only hide the message.
+    """
+    import asyncpg
+
+    if isinstance(exc, OSError | TimeoutError | ConnectionError):
+        return True
+    if isinstance(exc, asyncpg.CannotConnectNowError | asyncpg.TooManyConnectionsError):
+        return True
+    return isinstance(exc, asyncpg.PostgresConnectionError | asyncpg.InterfaceError)

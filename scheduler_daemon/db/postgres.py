@@ -1,0 +1,137 @@
+"""The PostgreSQL store, on asyncpg.
+
+Ordinary reads and writes go through a pool. Anything that depends on *session* state
+(advisory locks, LISTEN) must never use it: asyncpg resets a connection that goes back to
+the pool with ``pg_advisory_unlock_all()`` and ``UNLISTEN *``. Those callers open a
+dedicated connection with :meth:`PostgresStore.connect_dedicated`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, Final
+
+import asyncpg
+
+from ..config import Settings
+from .base import AppliedMigration, Publication, PublicationStats, ScheduleResult
+from .common import explain_cancel_refusal
+from .sqlfiles import migrations, queries
+from .url import DatabaseUrl
+
+Q = queries("postgres")
+
+# Serialises `migrate` across replicas. A transaction-level lock on a dedicated
+# connection: a replica that starts at the same moment waits, then finds nothing to do.
+MIGRATION_LOCK_KEY = 0x5C4ED01E_00000001
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    for type_name in ("json", "jsonb"):
+        await conn.set_type_codec(
+            type_name, encoder=json.dumps, decoder=json.loads, schema="pg_catalog"
+        )
+
+
+def _publication(row: Mapping[str, Any]) -> Publication:
+    return Publication(**dict(row))
+
+
+class PostgresStore:
+    backend: Final = "postgres"
+
+    def __init__(self, url: DatabaseUrl, settings: Settings, pool: asyncpg.Pool) -> None:
+        self.url = url
+        self.settings = settings
+        self.pool = pool
+
+    @classmethod
+    async def open(cls, settings: Settings) -> PostgresStore:
+        db = settings.database
+        pool = await asyncpg.create_pool(
+            settings.database_url.postgres_dsn,
+            min_size=db.pool_min_size,
+            max_size=db.pool_max_size,
+            timeout=db.connect_timeout,
+            command_timeout=db.statement_timeout + db.connect_timeout,
+            server_settings=cls.server_settings(settings, purpose="pool"),
+            init=_init_connection,
+        )
+        return cls(settings.database_url, settings, pool)
+
+    @staticmethod
+    def server_settings(settings: Settings, purpose: str) -> dict[str, str]:
+        return {
+            # Shows up in pg_stat_activity, so `status` and operators can tell who is who.
+            "application_name": f"scheduler-daemon/{settings.instance_id}/{purpose}"[:63],
+            "statement_timeout": str(int(settings.database.statement_timeout * 1000)),
+        }
+
+    async def connect_dedicated(
+        self, purpose: str, extra_settings: Mapping[str, str] | None = None
+    ) -> asyncpg.Connection:
+        """A connection outside the pool, for session state (locks, LISTEN)."""
+        server_settings = self.server_settings(self.settings, purpose)
+        server_settings.update(extra_settings or {})
+        conn: asyncpg.Connection = await asyncpg.connect(
+            self.url.postgres_dsn,
+            timeout=self.settings.database.connect_timeout,
+            server_settings=server_settings,
+        )
+        await _init_connection(conn)
+        return conn
+
+    async def migrate(self) -> list[AppliedMigration]:
+        applied: list[AppliedMigration] = []
+        conn = await self.connect_dedicated("migrate")
+        try:
+            async with conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK_KEY)
+                await conn.execute(Q["create_version_table"])
+                done = {row["version"] for row in await conn.fetch(Q["applied_versions"])}
+                for migration in migrations("postgres"):
+                    if migration.version in done:
+                        continue
+                    await conn.execute(migration.sql)
+                    await conn.execute(Q["record_version"], migration.version, migration.name)
+                    applied.append(AppliedMigration(migration.version, migration.name))
+        finally:
+            await conn.close()
+        return applied
+
+    async def schema_version(self) -> int | None:
+        version: int | None = await self.pool.fetchval(Q["schema_version"])
+        return version
+
+    async def schedule(
+        self, publish_at: datetime, payload_json: str, key: str | None
+    ) -> ScheduleResult:
+        async with self.pool.acquire() as conn:
+            row = await conn.fetchrow(Q["schedule"], key, payload_json, publish_at)
+            if row is not None:
+                return ScheduleResult(_publication(row), created=True)
+            # The key exists. The insert and this read are separate snapshots, but a row
+            # with a key is never deleted while scheduled, so it is still there.
+            existing = await conn.fetchrow(Q["get_by_key"], key)
+        if existing is None:  # purged between the two statements: try once more
+            return await self.schedule(publish_at, payload_json, key)
+        return ScheduleResult(_publication(existing), created=False)
+
+    async def cancel(self, publication_id: int) -> Publication:
+        row = await self.pool.fetchrow(Q["cancel"], publication_id)
+        if row is not None:
+            return _publication(row)
+        raise explain_cancel_refusal(publication_id, await self.get(publication_id))
+
+    async def get(self, publication_id: int) -> Publication | None:
+        row = await self.pool.fetchrow(Q["get"], publication_id)
+        return None if row is None else _publication(row)
+
+    async def publication_stats(self) -> PublicationStats:
+        row = await self.pool.fetchrow(Q["publication_stats"])
+        return PublicationStats(row["scheduled"], row["due"], row["next_due"])
+
+    async def close(self) -> None:
+        await self.pool.close()

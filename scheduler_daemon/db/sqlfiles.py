@@ -1,0 +1,50 @@
+"""SQL kept in files: numbered migrations, and named queries in one file per backend.
+
+A queries file is a list of blocks, each introduced by a line ``-- name: <query_name>``;
+the block's text up to the next such line is the statement.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+from importlib.resources import files
+
+from .url import Backend
+
+_NAME_LINE = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.M)
+_MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+
+@cache
+def queries(backend: Backend) -> dict[str, str]:
+    text = files("scheduler_daemon.db").joinpath(f"{backend}.sql").read_text("utf-8")
+    parts = _NAME_LINE.split(text)
+    # parts = [preamble, name1, body1, name2, body2, ...]
+    named = {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+    if len(named) != len(parts[1::2]):
+        raise RuntimeError(f"{backend}.sql defines a query name twice")
+    return named
+
+
+@cache
+def migrations(backend: Backend) -> tuple[Migration, ...]:
+    folder = files("scheduler_daemon.migrations").joinpath(backend)
+    found = []
+    for entry in folder.iterdir():
+        match = _MIGRATION_FILE.match(entry.name)
+        if match:
+            found.append(Migration(int(match[1]), match[2], entry.read_text("utf-8")))
+    found.sort(key=lambda m: m.version)
+    versions = [m.version for m in found]
+    if versions != list(range(1, len(found) + 1)):
+        raise RuntimeError(f"{backend} migrations are not numbered 1..n: {versions}")
+    return tuple(found)

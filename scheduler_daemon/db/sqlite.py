@@ -1,0 +1,185 @@
+"""The SQLite store, on aiosqlite: the embedded, single-host default.
+
+One connection per process, in autocommit mode with explicit ``BEGIN IMMEDIATE``
+transactions, serialised by an asyncio lock: SQLite has one writer at a time anyway, and
+interleaving two coroutines' statements on one connection would mix their transactions.
+Other processes on the same file wait on ``busy_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, Final
+
+import aiosqlite
+
+from ..config import Settings
+from ..errors import DatabaseUnavailable
+from .base import AppliedMigration, Publication, PublicationStats, ScheduleResult
+from .common import explain_cancel_refusal
+from .sqlfiles import migrations, queries
+from .url import DatabaseUrl
+
+Q = queries("sqlite")
+_UNIX_EPOCH_JD = 2440587.5
+
+
+def to_db_time(value: datetime) -> str:
+    """UTC, fixed width, microseconds: sorts and compares like the instant it names."""
+    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def from_db_time(value: str | None) -> datetime | None:
+    if value is None:
+        return None
+    parsed = datetime.fromisoformat(value.replace(" ", "T"))
+    return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
+
+
+def from_julian_day(value: float | None) -> datetime | None:
+    if value is None:
+        return None
+    return datetime(1970, 1, 1, tzinfo=UTC) + timedelta(days=value - _UNIX_EPOCH_JD)
+
+
+def split_script(script: str) -> list[str]:
+    """Split a migration into statements; ``complete_statement`` understands triggers.
+
+    (``executescript`` would be simpler but commits any open transaction first, which
+    would let a half-applied migration be recorded.)
+    """
+    statements, current = [], ""
+    for piece in script.split(";"):
+        current += piece + ";"
+        if sqlite3.complete_statement(current):
+            if current.strip(" \n\t;"):
+                statements.append(current.strip())
+            current = ""
+    if current.strip(" \n\t;"):
+        raise ValueError(f"incomplete SQL statement at end of script: {current[:80]!r}")
+    return statements
+
+
+def _publication(row: sqlite3.Row) -> Publication:
+    data: dict[str, Any] = dict(row)
+    data["payload"] = json.loads(data["payload"])
+    for column in ("publish_at", "published_at", "created_at"):
+        data[column] = from_db_time(data[column])
+    return Publication(**data)
+
+
+class SqliteStore:
+    backend: Final = "sqlite"
+
+    def __init__(self, url: DatabaseUrl, conn: aiosqlite.Connection) -> None:
+        self.url = url
+        self.conn = conn
+        self._lock = asyncio.Lock()
+
+    @property
+    def path(self) -> Path:
+        path = self.url.sqlite_path
+        assert path is not None  # DatabaseUrl refuses in-memory databases
+        return path
+
+    @classmethod
+    async def open(cls, settings: Settings) -> SqliteStore:
+        path = settings.database_url.sqlite_path
+        assert path is not None
+        if not path.parent.is_dir():
+            # Not worth retrying: no amount of waiting creates the directory.
+            raise DatabaseUnavailable(f"directory {path.parent} does not exist")
+        conn = await aiosqlite.connect(path, isolation_level=None)
+        try:
+            conn.row_factory = sqlite3.Row
+            busy_ms = int(settings.database.statement_timeout * 1000)
+            await conn.execute(f"PRAGMA busy_timeout = {busy_ms}")
+            await conn.execute("PRAGMA journal_mode = WAL")
+            await conn.execute("PRAGMA synchronous = NORMAL")
+            await conn.execute("PRAGMA foreign_keys = ON")
+        except BaseException:
+            await conn.close()
+            raise
+        return cls(settings.database_url, conn)
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[aiosqlite.Connection]:
+        """``BEGIN IMMEDIATE``: take the write lock up front, so two writers queue on
+        ``busy_timeout`` instead of failing later with SQLITE_BUSY on upgrade."""
+        async with self._lock:
+            await self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.conn
+            except BaseException:
+                await self.conn.execute("ROLLBACK")
+                raise
+            await self.conn.execute("COMMIT")
+
+    async def migrate(self) -> list[AppliedMigration]:
+        applied: list[AppliedMigration] = []
+        async with self.transaction() as conn:
+            await conn.execute(Q["create_version_table"])
+            async with conn.execute(Q["applied_versions"]) as cursor:
+                done = {row[0] for row in await cursor.fetchall()}
+            for migration in migrations("sqlite"):
+                if migration.version in done:
+                    continue
+                for statement in split_script(migration.sql):
+                    await conn.execute(statement)
+                await conn.execute(Q["record_version"], (migration.version, migration.name))
+                applied.append(AppliedMigration(migration.version, migration.name))
+        return applied
+
+    async def _fetchone(self, sql: str, params: tuple[Any, ...] = ()) -> sqlite3.Row | None:
+        async with self._lock, self.conn.execute(sql, params) as cursor:
+            row: sqlite3.Row | None = await cursor.fetchone()
+            return row
+
+    async def schema_version(self) -> int | None:
+        exists = await self._fetchone(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+            ("scheduler_schema_version",),
+        )
+        if exists is None:
+            return None
+        row = await self._fetchone(Q["schema_version"])
+        return None if row is None else row[0]
+
+    async def schedule(
+        self, publish_at: datetime, payload_json: str, key: str | None
+    ) -> ScheduleResult:
+        async with self.transaction() as conn:
+            params = (key, payload_json, to_db_time(publish_at))
+            async with conn.execute(Q["schedule"], params) as cursor:
+                row = await cursor.fetchone()
+            if row is not None:
+                return ScheduleResult(_publication(row), created=True)
+            async with conn.execute(Q["get_by_key"], (key,)) as cursor:
+                existing = await cursor.fetchone()
+        assert existing is not None  # same transaction as the conflicting insert
+        return ScheduleResult(_publication(existing), created=False)
+
+    async def cancel(self, publication_id: int) -> Publication:
+        async with self.transaction() as conn, conn.execute(Q["cancel"], (publication_id,)) as cur:
+            row = await cur.fetchone()
+        if row is not None:
+            return _publication(row)
+        raise explain_cancel_refusal(publication_id, await self.get(publication_id))
+
+    async def get(self, publication_id: int) -> Publication | None:
+        row = await self._fetchone(Q["get"], (publication_id,))
+        return None if row is None else _publication(row)
+
+    async def publication_stats(self) -> PublicationStats:
+        row = await self._fetchone(Q["publication_stats"])
+        assert row is not None
+        return PublicationStats(row["scheduled"], row["due"], from_julian_day(row["next_due_jd"]))
+
+    async def close(self) -> None:
+        await self.conn.close()

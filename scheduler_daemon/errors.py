@@ -1,0 +1,31 @@
+"""The daemon's own exceptions, and the exit codes they map to (see sysexits.h)."""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the database could not be reached in time
+EXIT_CONFIG = 78  # EX_CONFIG: the configuration is invalid
+
+
+class SchedulerError(Exception):
+    """Base class: an error the daemon explains in one line instead of a traceback."""
+
+    exit_code = 1
+
+
+class ConfigError(SchedulerError):
+    exit_code = EXIT_CONFIG
+
+
+class DatabaseUnavailable(SchedulerError):
+    exit_code = EXIT_UNAVAILABLE
+
+
+class InvalidInput(SchedulerError):
+    """A request (schedule, cancel, …) was refused; nothing was changed."""
+
+    exit_code = 65  # EX_DATAERR
+
+
+class NotFound(InvalidInput):
+    pass

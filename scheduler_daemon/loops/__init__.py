@@ -1,0 +1,2 @@
+"""The daemon's loops: ``publish`` and ``plugin``, each a :class:`LoopWork` run by a
+:class:`LoopRunner`."""
