@@ -28,6 +28,7 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
 )
 
 from .db.url import DatabaseUrl
@@ -176,9 +177,50 @@ class LockKeys(Section):
 
 class LockSettings(Section):
     mode: Literal["session", "transaction"] = "session"
+    standby: Literal["wait", "poll"] = "wait"
     keys: LockKeys = Field(default_factory=LockKeys)
     heartbeat_interval: Duration = 2.0
     stall_timeout: Duration = 15.0
+    standby_recheck: Duration = 10.0
+    poll_interval: Duration = 1.0
+    keepalive_idle: Duration = 5.0
+    keepalive_interval: Duration = 2.0
+    keepalive_count: int = Field(default=3, ge=1, le=100)
+    tcp_user_timeout: Duration = 10.0
+
+    @property
+    def step_down_after(self) -> float:
+        """Worst case from the last good heartbeat to the leader stepping down: the next
+        heartbeat starts one interval later and is given one interval to succeed."""
+        return 2 * self.heartbeat_interval
+
+    @property
+    def server_gives_up_after(self) -> float:
+        """When PostgreSQL drops a silent leader's session (and so frees its lock): the
+        keepalive probes of an idle socket, or tcp_user_timeout for unacknowledged data."""
+        probes = self.keepalive_idle + self.keepalive_interval * self.keepalive_count
+        return min(probes, self.tcp_user_timeout)
+
+    @model_validator(mode="after")
+    def _leader_gives_up_first(self) -> LockSettings:
+        # Promise 5: a cut-off leader must stop working before the server can hand its lock
+        # to a standby, and a live leader must never look stalled. One second of margin
+        # covers scheduling noise and the time to cancel a tick.
+        margin = 1.0
+        if self.step_down_after + margin > self.server_gives_up_after:
+            raise ValueError(
+                f"timings: the leader steps down after 2 x heartbeat_interval = "
+                f"{self.step_down_after:g}s, which must be at least {margin:g}s before the "
+                f"server frees its lock (min(keepalive_idle + keepalive_interval x "
+                f"keepalive_count, tcp_user_timeout) = {self.server_gives_up_after:g}s)"
+            )
+        if self.step_down_after + margin > self.stall_timeout:
+            raise ValueError(
+                f"timings: stall_timeout ({self.stall_timeout:g}s) must exceed "
+                f"2 x heartbeat_interval + {margin:g}s ({self.step_down_after + margin:g}s), "
+                "or a healthy leader could be evicted"
+            )
+        return self
 
 
 class HttpSettings(Section):
@@ -274,3 +316,6 @@ def load_settings(config_file: str | Path | None = None) -> Settings:
         first = _describe(errors[0])
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise ConfigError(f"invalid config: {first}{more}") from None
+    except SettingsError as exc:
+        # e.g. SCHEDULER_PUBLISH__PUBLISHERS that is not JSON; the message names the field.
+        raise ConfigError(f"invalid config: {exc}") from None

@@ -22,11 +22,15 @@ from typing import Any, Literal, TypeVar
 from . import db
 from .config import Settings
 from .db.connect import connect
-from .errors import EXIT_OK
+from .errors import EXIT_OK, ConfigError
+from .leadership import make_guard
+from .leadership.pooler import detect_transaction_pooler
+from .leadership.watchdog import StallWatchdog
 from .logs import Logger
 from .loops.base import LoopRunner, LoopWork
 from .loops.plugin import PluginWork
 from .loops.publish import PublishWork
+from .metrics import Metrics
 
 LoopName = Literal["publish", "plugin"]
 EXIT_SOFTWARE = 70  # EX_SOFTWARE: a loop died; the supervisor should restart us
@@ -43,6 +47,7 @@ class Daemon:
         self.stopping = asyncio.Event()
         self.started = asyncio.Event()
         self.forced = False
+        self.metrics = Metrics()
         self._main: asyncio.Task[Any] | None = None
 
     def request_stop(self, reason: str) -> None:
@@ -94,14 +99,30 @@ class Daemon:
                 version=await store.schema_version(),
             )
 
+            await self._refuse_unsafe_lock_mode(store)
+
             runners = {}
             for name in self.enabled_loops():
                 work, interval = self._build(name, store)
-                runners[name] = LoopRunner(work, interval, self.stopping, self.log)
-            tasks = {
+                guard = make_guard(
+                    name,
+                    self._lock_key(name),
+                    store,
+                    self.settings,
+                    self.log,
+                    self.metrics,
+                    self.stopping,
+                )
+                runners[name] = LoopRunner(
+                    work, guard, interval, self.stopping, self.log, self.metrics
+                )
+            tasks: dict[str, asyncio.Task[None]] = {
                 name: asyncio.create_task(runner.run(), name=f"loop:{name}")
                 for name, runner in runners.items()
             }
+            watchdog = self._watchdog(store, list(runners))
+            if watchdog is not None:
+                tasks["watchdog"] = asyncio.create_task(watchdog.run(), name="loop:watchdog")
             stack.push_async_callback(self._stop_tasks, tasks)
             await asyncio.gather(*(runner.started.wait() for runner in runners.values()))
             self.started.set()
@@ -109,6 +130,40 @@ class Daemon:
                 "daemon.started", loops=list(runners), database=str(self.settings.database_url)
             )
             return await self._monitor(tasks)
+
+    def _lock_key(self, name: LoopName) -> int:
+        return (
+            self.settings.lock.keys.publish if name == "publish" else self.settings.lock.keys.plugin
+        )
+
+    def _watchdog(self, store: db.Store, loops: list[LoopName]) -> StallWatchdog | None:
+        from .db.postgres import PostgresStore
+
+        if not isinstance(store, PostgresStore) or not loops:
+            return None
+        lock = self.settings.lock
+        return StallWatchdog(
+            store,
+            {name: self._lock_key(name) for name in loops},
+            lock.stall_timeout,
+            lock.heartbeat_interval,
+            self.log,
+            self.metrics,
+            self.stopping,
+        )
+
+    async def _refuse_unsafe_lock_mode(self, store: db.Store) -> None:
+        from .db.postgres import PostgresStore
+
+        if not isinstance(store, PostgresStore) or self.settings.lock.mode != "session":
+            return
+        reason = await detect_transaction_pooler(store)
+        if reason is not None:
+            raise ConfigError(
+                "lock.mode: 'session' needs a direct or session-pooled connection, but this "
+                f"one looks like a transaction pooler (PgBouncer pool_mode=transaction?): "
+                f"{reason}. Set SCHEDULER_LOCK__MODE=transaction."
+            )
 
     async def _until_stopped(self, startup: Coroutine[Any, Any, T]) -> T | None:
         """Await a startup step unless a stop is requested first (then return None)."""
@@ -123,7 +178,7 @@ class Daemon:
             await asyncio.gather(stop, step, return_exceptions=True)
         return step.result() if step.done() and not step.cancelled() else None
 
-    async def _monitor(self, tasks: Mapping[LoopName, asyncio.Task[None]]) -> int:
+    async def _monitor(self, tasks: Mapping[str, asyncio.Task[None]]) -> int:
         if not tasks:
             self.log.warning("daemon.no_loops", hint="both loops are disabled")
             await self.stopping.wait()
@@ -144,7 +199,7 @@ class Daemon:
         self.stopping.set()
         return EXIT_SOFTWARE
 
-    async def _stop_tasks(self, tasks: Mapping[LoopName, asyncio.Task[None]]) -> None:
+    async def _stop_tasks(self, tasks: Mapping[str, asyncio.Task[None]]) -> None:
         self.stopping.set()
         pending = [task for task in tasks.values() if not task.done()]
         try:

@@ -49,6 +49,19 @@ class AppliedMigration:
     name: str
 
 
+class Tx(Protocol):
+    """One open transaction, on the connection the leadership guard chose.
+
+    In PostgreSQL session mode that is the leader's own lock connection: if the leader lost
+    its session, the transaction cannot commit (fencing). In transaction mode the same
+    transaction holds the tick's ``pg_try_advisory_xact_lock``.
+    """
+
+    async def execute(self, sql: str) -> None:
+        """Run SQL (one or several statements, no parameters)."""
+        ...
+
+
 class Store(Protocol):
     """A connected database. Methods are safe to call concurrently from one event loop.
 

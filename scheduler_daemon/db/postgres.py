@@ -39,6 +39,14 @@ def _publication(row: Mapping[str, Any]) -> Publication:
     return Publication(**dict(row))
 
 
+class PgTx:
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+
+    async def execute(self, sql: str) -> None:
+        await self.conn.execute(sql)
+
+
 class PostgresStore:
     backend: Final = "postgres"
 

@@ -74,6 +74,15 @@ def _publication(row: sqlite3.Row) -> Publication:
     return Publication(**data)
 
 
+class SqliteTx:
+    def __init__(self, conn: aiosqlite.Connection) -> None:
+        self.conn = conn
+
+    async def execute(self, sql: str) -> None:
+        for statement in split_script(sql):
+            await self.conn.execute(statement)
+
+
 class SqliteStore:
     backend: Final = "sqlite"
 

@@ -40,3 +40,25 @@ SELECT count(*) AS scheduled,
        min(julianday(publish_at)) AS next_due_jd
 FROM scheduler_publications
 WHERE status = 'scheduled'
+
+-- name: leader_claim
+INSERT INTO scheduler_leaders
+    (loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at)
+VALUES (?, ?, ?, ?, ?, NULL, strftime('%Y-%m-%dT%H:%M:%fZ', 'now'),
+        strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
+ON CONFLICT (loop) DO UPDATE SET
+    lock_key = excluded.lock_key, instance = excluded.instance,
+    hostname = excluded.hostname, pid = excluded.pid, backend_pid = NULL,
+    acquired_at = excluded.acquired_at, heartbeat_at = excluded.heartbeat_at
+
+-- name: leader_heartbeat
+UPDATE scheduler_leaders SET heartbeat_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
+WHERE loop = ? AND instance = ? AND pid = ?
+
+-- name: leader_release
+DELETE FROM scheduler_leaders WHERE loop = ? AND instance = ? AND pid = ?
+
+-- name: leaders
+SELECT loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at,
+       (julianday('now') - julianday(heartbeat_at)) * 86400.0 AS heartbeat_age
+FROM scheduler_leaders ORDER BY loop

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
@@ -29,7 +28,6 @@ def redact(text: str) -> str:
     return _KV_PASSWORD.sub(lambda m: m["head"] + REDACTED, text)
 
 
-@dataclass(frozen=True, slots=True)
 class DatabaseUrl:
     """A validated database URL whose ``str``/``repr`` never shows the password.
 
@@ -37,8 +35,18 @@ class DatabaseUrl:
     line or an error message by accident.
     """
 
-    _raw: str
-    backend: Backend
+    # Deliberately not a dataclass: pydantic-settings would then expect JSON in the env var.
+    __slots__ = ("_raw", "backend")
+
+    def __init__(self, raw: str, backend: Backend) -> None:
+        self._raw = raw
+        self.backend: Backend = backend
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DatabaseUrl) and other._raw == self._raw
+
+    def __hash__(self) -> int:
+        return hash(self._raw)
 
     @classmethod
     def parse(cls, raw: str) -> DatabaseUrl:

@@ -1,18 +1,25 @@
-"""The shape every loop shares: sequential ticks, a stop signal, an early wake-up.
+"""The shape every loop shares: lead, then run sequential ticks until told to stop.
 
 A tick never starts while the previous one of the same loop still runs (PostgreSQL
-advisory locks are re-entrant within a session, so overlapping ticks of one process
-would both "hold" the lock). The sleep between ticks ends early on stop or on ``wake()``.
+advisory locks are re-entrant within a session, so overlapping ticks of one process would
+both "hold" the lock). The sleep between ticks ends early on stop, on ``wake()``, or when
+leadership is lost. Database trouble never ends the loop: the runner steps down, backs
+off and competes again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..db.connect import Backoff
+from ..leadership import Guard, LeadershipLost, Lease, NotLeader, Stopping
 from ..logs import Logger
+from ..metrics import Metrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +27,7 @@ class Tick:
     loop: str
     number: int
     log: Logger
+    lease: Lease  # do database work in `async with tick.lease.transaction() as tx`
 
 
 class LoopWork(Protocol):
@@ -32,14 +40,24 @@ class LoopWork(Protocol):
 
 
 class LoopRunner:
-    def __init__(self, work: LoopWork, interval: float, stop: asyncio.Event, log: Logger) -> None:
+    def __init__(
+        self,
+        work: LoopWork,
+        guard: Guard,
+        interval: float,
+        stop: asyncio.Event,
+        log: Logger,
+        metrics: Metrics,
+    ) -> None:
         self.work = work
+        self.guard = guard
         self.interval = interval
         self.stop = stop
         self.log = log.bind(loop=work.name)
+        self.metrics = metrics
+        self.started = asyncio.Event()
         self._wake = asyncio.Event()
         self._numbers = itertools.count(1)
-        self.started = asyncio.Event()
 
     def wake(self) -> None:
         """Start the next tick now (e.g. something became due sooner than planned)."""
@@ -48,25 +66,53 @@ class LoopRunner:
     async def run(self) -> None:
         self.log.info("loop.started", interval=self.interval)
         self.started.set()
+        backoff = Backoff(initial=0.2, maximum=5.0)
         while not self.stop.is_set():
-            number = next(self._numbers)
-            tick = Tick(self.work.name, number, self.log.bind(tick=number))
             try:
-                delay = await self.work.tick(tick)
-            except Exception:
-                # A failing tick is logged and retried on the next interval; it must not
-                # end the loop (the daemon's monitor treats a dead loop as fatal).
-                tick.log.exception("tick.failed")
-                delay = None
-            await self._sleep(self.interval if delay is None else min(delay, self.interval))
+                async with self.guard.leadership() as lease:
+                    backoff.reset()
+                    await self._lead(lease)
+            except Stopping:
+                break
+            except LeadershipLost as lost:
+                self.log.warning("leader.stepped_down", reason=lost.reason)
+            except Exception as exc:  # the database is unreachable, restarting, …
+                self.log.warning("loop.db_error", error=f"{type(exc).__name__}: {exc}")
+            else:
+                continue
+            # Back to standby after a pause, so a flapping database is not hammered.
+            await self._sleep(backoff.next_delay(), lease=None)
         self.log.info("loop.stopped")
 
-    async def _sleep(self, seconds: float) -> None:
+    async def _lead(self, lease: Lease) -> None:
+        while not self.stop.is_set() and not lease.lost.is_set():
+            number = next(self._numbers)
+            tick = Tick(self.work.name, number, self.log.bind(tick=number), lease)
+            started = time.monotonic()
+            result = "ok"
+            delay: float | None = None
+            try:
+                delay = await lease.run_tick(functools.partial(self.work.tick, tick))
+            except NotLeader:
+                result = "skipped"
+            except LeadershipLost:
+                self.metrics.ticks.labels(self.work.name, "cancelled").inc()
+                raise
+            except Exception as exc:
+                if lease.lost.is_set():  # the error is the loss showing through
+                    self.metrics.ticks.labels(self.work.name, "cancelled").inc()
+                    raise LeadershipLost(str(exc)) from exc
+                # A failing tick is logged and retried next interval; the loop goes on.
+                tick.log.exception("tick.failed")
+                result = "failed"
+            self.metrics.ticks.labels(self.work.name, result).inc()
+            self.metrics.tick_duration.labels(self.work.name).observe(time.monotonic() - started)
+            await self._sleep(self.interval if delay is None else min(delay, self.interval), lease)
+
+    async def _sleep(self, seconds: float, lease: Lease | None) -> None:
         self._wake.clear()
-        waiters = [
-            asyncio.ensure_future(self.stop.wait()),
-            asyncio.ensure_future(self._wake.wait()),
-        ]
+        events = [self.stop, self._wake] + ([lease.lost] if lease else [])
+        waiters = [asyncio.ensure_future(event.wait()) for event in events]
         try:
             await asyncio.wait(
                 waiters, timeout=max(seconds, 0), return_when=asyncio.FIRST_COMPLETED

@@ -13,6 +13,11 @@ class PluginWork:
         self.tasks = tasks
 
     async def tick(self, tick: Tick) -> float | None:
-        # Until task execution lands (issue 5) a tick only reports what is configured.
+        # Until task execution lands (issue 5) a tick runs the enabled SQL tasks in its
+        # fenced transaction, every tick.
+        async with tick.lease.transaction() as tx:
+            for task in self.tasks:
+                if task.enabled and task.sql:
+                    await tx.execute(task.sql)
         tick.log.info("tick.done", tasks=len(self.tasks))
         return None

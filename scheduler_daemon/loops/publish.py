@@ -13,7 +13,9 @@ class PublishWork:
         self.store = store
 
     async def tick(self, tick: Tick) -> float | None:
-        # Until publishing lands (issue 4) a tick reports the backlog it would publish.
-        stats = await self.store.publication_stats()
+        # Until publishing lands (issue 4) a tick opens its fenced transaction and reports
+        # the backlog it would publish.
+        async with tick.lease.transaction():
+            stats = await self.store.publication_stats()
         tick.log.info("tick.done", due=stats.due, scheduled=stats.scheduled)
         return None

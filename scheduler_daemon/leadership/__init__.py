@@ -1,0 +1,46 @@
+"""Leadership guards: which replica runs a loop's work, and proof that it still may.
+
+- PostgreSQL ``session`` mode: :class:`~.postgres_session.SessionGuard` (default)
+- PostgreSQL ``transaction`` mode: :class:`~.postgres_transaction.TransactionGuard`
+- SQLite: :class:`~.sqlite_flock.FlockGuard`
+
+See docs/leadership.md for the failure matrix and the timing arithmetic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ..config import Settings
+from ..db.base import Store
+from ..logs import Logger
+from ..metrics import Metrics
+from .base import Guard, LeadershipLost, Lease, NotLeader, Stopping
+
+__all__ = ["Guard", "LeadershipLost", "Lease", "NotLeader", "Stopping", "make_guard"]
+
+
+def make_guard(
+    loop: str,
+    key: int,
+    store: Store,
+    settings: Settings,
+    log: Logger,
+    metrics: Metrics,
+    stop: asyncio.Event,
+) -> Guard:
+    from ..db.postgres import PostgresStore
+    from ..db.sqlite import SqliteStore
+
+    if isinstance(store, SqliteStore):
+        from .sqlite_flock import FlockGuard
+
+        return FlockGuard(loop, key, store, settings, log, metrics, stop)
+    assert isinstance(store, PostgresStore)
+    if settings.lock.mode == "transaction":
+        from .postgres_transaction import TransactionGuard
+
+        return TransactionGuard(loop, key, store, settings, log, metrics, stop)
+    from .postgres_session import SessionGuard
+
+    return SessionGuard(loop, key, store, settings, log, metrics, stop)

@@ -1,0 +1,36 @@
+"""Refuse ``session`` mode behind a transaction pooler (PgBouncer ``pool_mode=transaction``).
+
+There, consecutive statements of one client may run on different server sessions, so a
+session advisory lock is held by whichever server connection ran ``pg_advisory_lock`` and
+then lent to other clients: no exclusion at all. The probe pins one server connection in an
+open transaction from a second client, then asks the first for its backend pid twice. A
+direct connection keeps its pid. Behind a transaction pooler the pid changes, or the
+statement waits for a free server connection (a pool of one), which the timeout catches.
+"""
+
+from __future__ import annotations
+
+from ..db.postgres import PostgresStore
+
+PROBE_TIMEOUT = 2.0
+
+
+async def detect_transaction_pooler(store: PostgresStore) -> str | None:
+    """Return why the connection looks pooled per transaction, or None if it does not."""
+    subject = await store.connect_dedicated("pooler-probe")
+    pinner = await store.connect_dedicated("pooler-probe")
+    try:
+        first = await subject.fetchval("SELECT pg_backend_pid()")
+        async with pinner.transaction():
+            await pinner.fetchval("SELECT pg_backend_pid()")
+            try:
+                second = await subject.fetchval("SELECT pg_backend_pid()", timeout=PROBE_TIMEOUT)
+            except TimeoutError:
+                return "a statement waited for another client's transaction to end"
+        third = await subject.fetchval("SELECT pg_backend_pid()")
+    finally:
+        for conn in (subject, pinner):
+            conn.terminate()
+    if len({first, second, third}) > 1:
+        return f"backend pid changed between statements ({first} -> {second} -> {third})"
+    return None

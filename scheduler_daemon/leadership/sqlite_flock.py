@@ -1,0 +1,126 @@
+"""SQLite: an exclusive OS file lock per loop, on a sidecar file next to the database.
+
+SQLite is "single host", not "single process": two daemons can open one file. ``flock``
+gives them the same property a PostgreSQL session lock has: one holder at a time, and
+the kernel frees the lock when the holder dies, however it dies. Standbys poll with
+``LOCK_NB`` (a blocking ``flock`` in a thread could not be cancelled on shutdown).
+
+Not covered: a holder that is alive but frozen keeps its lock; on SQLite, systemd's
+watchdog (``WatchdogSec``) is what restarts such a process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+
+from ..config import Settings
+from ..db.sqlfiles import queries
+from ..db.sqlite import SqliteStore, SqliteTx
+from ..logs import Logger
+from ..metrics import Metrics
+from .base import LeaseState, Stopping, sleep_unless
+
+Q = queries("sqlite")
+POLL_INTERVAL = 0.05  # local file lock: cheap to try, and takeover should feel instant
+
+
+def lock_path(database: Path, loop: str) -> Path:
+    return database.with_name(f"{database.name}.{loop}.lock")
+
+
+class FlockLease(LeaseState):
+    def __init__(self, store: SqliteStore) -> None:
+        super().__init__()
+        self.store = store
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[SqliteTx]:
+        async with self.store.transaction() as conn:
+            yield SqliteTx(conn)
+
+
+class FlockGuard:
+    def __init__(
+        self,
+        loop: str,
+        key: int,
+        store: SqliteStore,
+        settings: Settings,
+        log: Logger,
+        metrics: Metrics,
+        stop: asyncio.Event,
+    ) -> None:
+        self.loop = loop
+        self.key = key
+        self.store = store
+        self.settings = settings
+        self.log = log.bind(loop=loop)
+        self.metrics = metrics
+        self.stop = stop
+        self.path = lock_path(store.path, loop)
+        self._identity = (settings.instance_id, os.getpid())
+
+    @asynccontextmanager
+    async def leadership(self) -> AsyncIterator[FlockLease]:
+        # O_CLOEXEC: a child process (a plugin's subprocess) must not inherit the lock.
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            await self._acquire(fd)
+            async with self.store.transaction() as conn:
+                await conn.execute(
+                    Q["leader_claim"],
+                    (
+                        self.loop,
+                        self.key,
+                        self.settings.instance_id,
+                        socket.gethostname(),
+                        os.getpid(),
+                    ),
+                )
+            lease = FlockLease(self.store)
+            self.metrics.leader.labels(self.loop).set(1)
+            self.metrics.leadership_changes.labels(self.loop, "acquired").inc()
+            self.log.info("leader.acquired", lock_file=str(self.path))
+            heartbeat = asyncio.create_task(self._heartbeat(), name=f"heartbeat:{self.loop}")
+            try:
+                yield lease
+            finally:
+                heartbeat.cancel()
+                await asyncio.wait({heartbeat})
+                self.metrics.leader.labels(self.loop).set(0)
+                with suppress(Exception):
+                    async with self.store.transaction() as conn:
+                        await conn.execute(Q["leader_release"], (self.loop, *self._identity))
+                self.metrics.leadership_changes.labels(self.loop, "released").inc()
+                self.log.info("leader.released")
+        finally:
+            os.close(fd)  # closing the descriptor releases the flock
+
+    async def _acquire(self, fd: int) -> None:
+        self.metrics.lock_waits.labels(self.loop).inc()
+        self.log.info("leader.waiting", lock_file=str(self.path))
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if await sleep_unless(self.stop, POLL_INTERVAL):
+                    raise Stopping from None
+
+    async def _heartbeat(self) -> None:
+        """Keeps ``scheduler_leaders.heartbeat_at`` fresh for ``status``; the flock itself
+        needs no renewal."""
+        while True:
+            await asyncio.sleep(self.settings.lock.heartbeat_interval)
+            try:
+                async with self.store.transaction() as conn:
+                    await conn.execute(Q["leader_heartbeat"], (self.loop, *self._identity))
+            except Exception as exc:
+                self.metrics.heartbeat_failures.labels(self.loop).inc()
+                self.log.warning("leader.heartbeat_failed", error=f"{type(exc).__name__}: {exc}")

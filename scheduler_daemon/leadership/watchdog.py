@@ -1,0 +1,64 @@
+"""Stalled-leader eviction (PostgreSQL).
+
+A leader that is alive but frozen (SIGSTOP, a blocked event loop, a stuck host) keeps its
+TCP session, so its lock would never free by itself. Every replica runs one watchdog: every
+``heartbeat_interval`` it asks the database for a lock holder whose heartbeat is older than
+``stall_timeout`` and terminates that backend, which frees the lock and aborts its open
+transaction. The judgement and the termination are one statement (``evict_stalled``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+from ..db.postgres import PostgresStore
+from ..db.sqlfiles import queries
+from ..logs import Logger
+from ..metrics import Metrics
+from .base import sleep_unless
+
+Q = queries("postgres")
+
+
+class StallWatchdog:
+    def __init__(
+        self,
+        store: PostgresStore,
+        keys: Mapping[str, int],
+        stall_timeout: float,
+        interval: float,
+        log: Logger,
+        metrics: Metrics,
+        stop: asyncio.Event,
+    ) -> None:
+        self.store = store
+        self.keys = keys
+        self.stall_timeout = stall_timeout
+        self.interval = interval
+        self.log = log
+        self.metrics = metrics
+        self.stop = stop
+
+    async def run(self) -> None:
+        while not await sleep_unless(self.stop, self.interval):
+            for loop, key in self.keys.items():
+                try:
+                    await self.check(loop, key)
+                except Exception as exc:  # the database may be down; the guards cope
+                    self.log.debug("watchdog.check_failed", loop=loop, error=repr(exc))
+
+    async def check(self, loop: str, key: int) -> int:
+        rows = await self.store.pool.fetch(Q["evict_stalled"], loop, key, self.stall_timeout)
+        for row in rows:
+            self.metrics.evictions.labels(loop).inc()
+            self.log.warning(
+                "leader.evicted",
+                loop=loop,
+                evicted_instance=row["instance"],
+                evicted_backend_pid=row["pid"],
+                evicted_application=row["application_name"],
+                last_heartbeat=row["heartbeat_at"].isoformat() if row["heartbeat_at"] else None,
+                terminated=row["terminated"],
+            )
+        return len(rows)

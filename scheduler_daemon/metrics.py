@@ -1,0 +1,81 @@
+"""Prometheus metrics. One :class:`Metrics` per daemon, on its own registry (no globals),
+passed to the components that count things. Names are documented in docs/operations.md
+and queried by deploy/grafana/scheduler-daemon.json; a test keeps the three in step.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from . import __version__
+
+# Publication lateness: from milliseconds (the goal) up to minutes (an outage).
+LATENESS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.build_info = Info("scheduler_build", "Version of the running daemon.", registry=r)
+        self.build_info.info({"version": __version__})
+        self.database_up = Gauge(
+            "scheduler_database_up", "1 when the database answered the last probe.", registry=r
+        )
+        self.leader = Gauge(
+            "scheduler_leader", "1 while this replica leads the loop.", ["loop"], registry=r
+        )
+        self.leadership_changes = Counter(
+            "scheduler_leadership_changes_total",
+            "Times this replica became or stopped being leader, by event.",
+            ["loop", "event"],
+            registry=r,
+        )
+        self.lock_waits = Counter(
+            "scheduler_lock_waits_total",
+            "Times this replica started waiting for a loop's lock.",
+            ["loop"],
+            registry=r,
+        )
+        self.ticks = Counter(
+            "scheduler_ticks_total", "Ticks run, by result.", ["loop", "result"], registry=r
+        )
+        self.tick_duration = Histogram(
+            "scheduler_tick_duration_seconds", "Duration of ticks.", ["loop"], registry=r
+        )
+        self.heartbeat_failures = Counter(
+            "scheduler_heartbeat_failures_total",
+            "Leader heartbeats that failed or came late.",
+            ["loop"],
+            registry=r,
+        )
+        self.evictions = Counter(
+            "scheduler_evictions_total",
+            "Stalled leaders this replica evicted (pg_terminate_backend).",
+            ["loop"],
+            registry=r,
+        )
+        self.publications_published = Counter(
+            "scheduler_publications_published_total", "Publications published.", registry=r
+        )
+        self.publications_failed = Counter(
+            "scheduler_publications_failed_total", "Publications marked failed.", registry=r
+        )
+        self.publication_lateness = Histogram(
+            "scheduler_publication_lateness_seconds",
+            "published_at - publish_at, by the database's clock.",
+            buckets=LATENESS_BUCKETS,
+            registry=r,
+        )
+        self.plugin_runs = Counter(
+            "scheduler_plugin_runs_total",
+            "Plugin task runs, by task and result.",
+            ["task", "result"],
+            registry=r,
+        )
+        self.plugin_run_duration = Histogram(
+            "scheduler_plugin_run_duration_seconds",
+            "Duration of plugin task runs.",
+            ["task"],
+            registry=r,
+        )

@@ -1,0 +1,224 @@
+"""Configuration: precedence, value parsing, and one-line errors naming the key."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from scheduler_daemon.config import (
+    Settings,
+    load_settings,
+    lock_key_from_name,
+    parse_duration,
+    parse_lock_key,
+)
+from scheduler_daemon.db.url import DatabaseUrl, redact
+from scheduler_daemon.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("SCHEDULER_"):
+            monkeypatch.delenv(name)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_need_nothing() -> None:
+    settings = load_settings()
+    assert settings.database_url.backend == "sqlite"
+    assert str(settings.database_url) == "sqlite:///./scheduler.db"
+    assert settings.lock.keys.publish == 0x9A37B7A1
+    assert settings.lock.keys.plugin == 0x7B9C5F3E
+    assert settings.http.host == "127.0.0.1"
+    assert settings.http.port == 9464
+    assert settings.instance_id.endswith(f"-{os.getpid()}")
+
+
+def test_file_beats_defaults_and_env_beats_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write(
+        tmp_path,
+        'instance_id = "from-file"\n[publish]\ninterval = "7s"\nbatch_size = 10\n'
+        '[lock]\nmode = "transaction"\n',
+    )
+    from_file = load_settings(path)
+    assert from_file.instance_id == "from-file"
+    assert from_file.publish.interval == 7.0
+    assert from_file.lock.mode == "transaction"
+
+    monkeypatch.setenv("SCHEDULER_PUBLISH__INTERVAL", "2")
+    monkeypatch.setenv("SCHEDULER_INSTANCE_ID", "from-env")
+    merged = load_settings(path)
+    assert merged.publish.interval == 2.0  # env wins
+    assert merged.instance_id == "from-env"
+    assert merged.publish.batch_size == 10  # the file still fills what env leaves alone
+    assert merged.lock.mode == "transaction"
+
+
+def test_config_file_from_env_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SCHEDULER_CONFIG", str(write(tmp_path, "shutdown_timeout = 3\n")))
+    assert load_settings().shutdown_timeout == 3.0
+
+
+def test_env_forms_from_the_brief(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SCHEDULER_LOCK__MODE", "transaction")
+    monkeypatch.setenv("SCHEDULER_HTTP__ENABLED", "false")
+    monkeypatch.setenv("SCHEDULER_PUBLISH__PUBLISHERS", '["notify"]')
+    monkeypatch.setenv("SCHEDULER_LOCK__KEYS__PUBLISH", "0x10")
+    monkeypatch.setenv("SCHEDULER_DATABASE_URL", "postgresql://u:pw@db:5432/app")
+    settings = load_settings()
+    assert settings.lock.mode == "transaction"
+    assert settings.http.enabled is False
+    assert settings.publish.publishers == ["notify"]
+    assert settings.lock.keys.publish == 16
+    assert settings.database_url.backend == "postgres"
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [(5, 5.0), (2.5, 2.5), ("5", 5.0), ("5s", 5.0), ("250ms", 0.25), ("2m", 120.0),
+     ("1h", 3600.0), ("1.5s", 1.5), (" 3 s ", 3.0), ("1d", 86400.0)],
+)  # fmt: skip
+def test_durations(text: Any, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@given(st.floats(min_value=0.001, max_value=1e6, allow_nan=False))
+def test_duration_numbers_round_trip(value: float) -> None:
+    assert parse_duration(f"{value}s") == pytest.approx(value)
+    assert parse_duration(f"{value * 1000}ms") == pytest.approx(value)
+
+
+def test_lock_keys() -> None:
+    assert parse_lock_key(42) == 42
+    assert parse_lock_key("42") == 42
+    assert parse_lock_key("0x9a37b7a1") == 0x9A37B7A1
+    assert parse_lock_key("0xffffffffffffffff") == -1  # unsigned folded into bigint
+    assert parse_lock_key(-(2**63)) == -(2**63)
+    with pytest.raises(ValueError, match="64 bits"):
+        parse_lock_key(2**64)
+    # Fixed vectors: the hash must never change, or upgraded replicas would stop contending
+    # with old ones for the same lock.
+    assert lock_key_from_name("publish") == -6497433933908059685
+    assert lock_key_from_name("my-app/publish") == -1585078199593501522
+    assert parse_lock_key("my-app/publish") == lock_key_from_name("my-app/publish")
+
+
+@pytest.mark.parametrize(
+    ("toml", "env", "names"),
+    [
+        ("[publish]\ninterval = -1\n", {}, "publish.interval"),
+        ("[publish]\ninterval = 0\n", {}, "publish.interval"),
+        ("", {"SCHEDULER_PUBLISH__INTERVAL": "-1"}, "publish.interval"),
+        ('[publish]\nbatch_size = "many"\n', {}, "publish.batch_size"),
+        ("", {"SCHEDULER_HTTP__PORT": "http"}, "http.port"),
+        ('database_url = "mysql://x@y/z"\n', {}, "database_url"),
+        ("", {"SCHEDULER_DATABASE_URL": "redis://localhost"}, "database_url"),
+        ('database_url = "sqlite:///:memory:"\n', {}, "database_url"),
+        ('[lock]\nmode = "sometimes"\n', {}, "lock.mode"),
+        ("", {"SCHEDULER_LOCK__MODE": "sometimes"}, "lock.mode"),
+        ("[publish]\nintreval = 5\n", {}, "publish.intreval"),
+        ("nonsense = 1\n", {}, "nonsense"),
+        ("[plugin]\n[[plugin.tasks]]\nname = 'a'\nevery = '1s'\n", {}, "plugin.tasks.0"),
+        ("[database]\npool_min_size = 9\npool_max_size = 2\n", {}, "database"),
+    ],
+)
+def test_invalid_values_name_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, toml: str, env: dict[str, str], names: str
+) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, toml))
+    message = str(info.value)
+    assert message.startswith(f"invalid config: {names}"), message
+    assert "\n" not in message
+
+
+def test_malformed_toml_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"config\.toml: invalid TOML") as info:
+        load_settings(write(tmp_path, "[publish\ninterval = 5\n"))
+    assert "\n" not in str(info.value)
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_settings(tmp_path / "absent.toml")
+
+
+def test_bad_url_error_does_not_echo_the_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SCHEDULER_DATABASE_URL", "mysql://admin:hunter2@db/app")
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert "hunter2" not in str(info.value)
+
+
+def test_redacted_config_hides_the_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SCHEDULER_DATABASE_URL", "postgresql://admin:hunter2@db/app")
+    settings = load_settings()
+    assert "hunter2" not in repr(settings)
+    assert "hunter2" not in str(settings.redacted())
+    assert "hunter2" not in settings.model_dump_json()
+    assert settings.redacted()["database_url"] == "postgresql://admin:***@db/app"
+    assert settings.database_url.secret() == "postgresql://admin:hunter2@db/app"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("postgresql://u:secret@h/db", "postgresql://u:***@h/db"),
+        ("postgres://u:s%40cret@h1:5432,h2:5433/db?x=1", "postgres://u:***@h1:5432,h2:5433/db?x=1"),
+        ("connect to host=h password=secret user=u", "connect to host=h password=*** user=u"),
+        ("password='se cret' x", "password=*** x"),
+        ("postgresql://u@h/db", "postgresql://u@h/db"),
+        ("nothing here", "nothing here"),
+    ],
+)
+def test_redact(text: str, expected: str) -> None:
+    assert redact(text) == expected
+
+
+def test_sqlite_paths() -> None:
+    assert str(DatabaseUrl.parse("sqlite:///./x.db").sqlite_path) == "x.db"
+    assert str(DatabaseUrl.parse("sqlite:////tmp/x.db").sqlite_path) == "/tmp/x.db"
+    assert str(DatabaseUrl.parse("sqlite:///data/x.db").sqlite_path) == "data/x.db"
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def test_example_config_matches_the_model_defaults() -> None:
+    """config.example.toml lists every key with its default; the two cannot drift."""
+    example_path = ROOT / "config.example.toml"
+    example = tomllib.loads(example_path.read_text())
+    from_example = load_settings(example_path).model_dump(mode="json")
+    defaults = Settings().model_dump(mode="json")
+    # instance_id's default is computed per process; the example shows it commented out.
+    for data in (from_example, defaults):
+        data.pop("instance_id")
+    assert from_example == defaults
+    listed = set(_flatten(example)) | {"instance_id"}
+    assert listed == set(_flatten(defaults)) | {"instance_id"}, "a key is missing or extra"
+    assert "# instance_id = " in example_path.read_text()
