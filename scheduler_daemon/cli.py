@@ -206,7 +206,15 @@ def cancel(config_file: Path | None, publication_id: int) -> None:
 def status(config_file: Path | None, as_json: bool) -> None:
     """Per loop: leader, standbys, backlog, next due."""
     settings = _settings(config_file)
-    report = _run(collect_status(settings))
+
+    async def main() -> dict[str, Any]:
+        store = await connect(settings, get_logger(instance=settings.instance_id))
+        try:
+            return await collect_status(store, settings)
+        finally:
+            await store.close()
+
+    report = _run(main())
     click.echo(json.dumps(report, indent=2) if as_json else render_status(report))
 
 

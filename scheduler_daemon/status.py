@@ -1,39 +1,158 @@
-"""What `scheduler-daemon status` and `/status` report, gathered from the database."""
+"""What `scheduler-daemon status` and `/status` report.
+
+PostgreSQL: the lock holder and the waiting standbys come from ``pg_locks`` joined with
+``pg_stat_activity`` (the lock manager's own truth), enriched with the holder's row in
+``scheduler_leaders`` (host, pid, since, heartbeat). SQLite: the leaders row, and whether
+the loop's lock file is held right now.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import os
+from datetime import datetime
 from typing import Any
 
 from .config import Settings
-from .db.connect import connect
-from .logs import get_logger
+from .db.base import Store
+from .db.sqlfiles import queries
+from .leadership.sqlite_flock import lock_path
+
+APP_PREFIX = "scheduler-daemon/"
 
 
-async def collect_status(settings: Settings) -> dict[str, Any]:
-    store = await connect(settings, get_logger(instance=settings.instance_id))
-    try:
-        stats = await store.publication_stats()
-        version = await store.schema_version()
-    finally:
-        await store.close()
+def instance_from_application_name(name: str | None) -> str | None:
+    """``scheduler-daemon/<instance>/lock:<loop>`` -> ``<instance>``."""
+    if not name or not name.startswith(APP_PREFIX):
+        return None
+    return name[len(APP_PREFIX) :].rsplit("/", 1)[0]
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value else None
+
+
+def _loop_keys(settings: Settings) -> dict[str, int]:
+    return {"publish": settings.lock.keys.publish, "plugin": settings.lock.keys.plugin}
+
+
+async def collect_status(store: Store, settings: Settings) -> dict[str, Any]:
+    """The status report, as plain JSON-able data with no secrets."""
+    stats = await store.publication_stats()
+    if store.backend == "postgres":
+        loops = await _postgres_loops(store, settings)
+    else:
+        loops = await _sqlite_loops(store, settings)
+    loops["publish"]["backlog"] = stats.due
+    loops["publish"]["next_due"] = _iso(stats.next_due)
     return {
         "database": str(settings.database_url),
         "backend": store.backend,
-        "schema_version": version,
+        "lock_mode": settings.lock.mode if store.backend == "postgres" else "flock",
+        "schema_version": await store.schema_version(),
         "publications": {
             "scheduled": stats.scheduled,
             "due": stats.due,
-            "next_due": stats.next_due.isoformat() if stats.next_due else None,
+            "next_due": _iso(stats.next_due),
         },
+        "loops": loops,
     }
 
 
+async def _postgres_loops(store: Store, settings: Settings) -> dict[str, dict[str, Any]]:
+    from .db.postgres import PostgresStore
+
+    assert isinstance(store, PostgresStore)
+    q = queries("postgres")
+    loops: dict[str, dict[str, Any]] = {}
+    for loop, key in _loop_keys(settings).items():
+        rows = await store.pool.fetch(q["lock_sessions"], loop, key)
+        leader = None
+        standbys = []
+        for row in rows:
+            who = {
+                "instance": row["instance"]
+                or instance_from_application_name(row["application_name"]),
+                "backend_pid": row["pid"],
+                "client_addr": row["client_addr"],
+            }
+            if row["granted"]:
+                leader = who | {
+                    "host": row["hostname"],
+                    "pid": row["os_pid"],
+                    "since": _iso(row["acquired_at"]),
+                    "last_heartbeat": _iso(row["heartbeat_at"]),
+                    "heartbeat_age": row["heartbeat_age"],
+                }
+            else:
+                standbys.append(who | {"connected_since": _iso(row["backend_start"])})
+        loops[loop] = {"lock_key": key, "leader": leader, "standbys": standbys}
+    return loops
+
+
+async def _sqlite_loops(store: Store, settings: Settings) -> dict[str, dict[str, Any]]:
+    from .db.sqlite import SqliteStore
+
+    assert isinstance(store, SqliteStore)
+    async with store.conn.execute(queries("sqlite")["leaders"]) as cursor:
+        rows = {row["loop"]: row for row in await cursor.fetchall()}
+    loops: dict[str, dict[str, Any]] = {}
+    for loop, key in _loop_keys(settings).items():
+        row = rows.get(loop)
+        held = _flock_held(lock_path(store.path, loop))
+        leader = None
+        if held and row is not None:
+            leader = {
+                "instance": row["instance"],
+                "host": row["hostname"],
+                "pid": row["pid"],
+                "since": row["acquired_at"],
+                "last_heartbeat": row["heartbeat_at"],
+                "heartbeat_age": row["heartbeat_age"],
+            }
+        # Waiting processes poll the lock file; they are not visible from outside.
+        loops[loop] = {"lock_key": key, "leader": leader, "lock_held": held, "standbys": None}
+    return loops
+
+
+def _flock_held(path: os.PathLike[str]) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops the lock if we just took it
+    return False
+
+
 def render_status(report: dict[str, Any]) -> str:
-    publications = report["publications"]
     lines = [
-        f"database        {report['database']} ({report['backend']}, "
-        f"schema v{report['schema_version']})",
-        f"publications    {publications['scheduled']} scheduled, {publications['due']} due now, "
-        f"next due {publications['next_due'] or '-'}",
+        f"database   {report['database']} ({report['backend']}, schema "
+        f"v{report['schema_version']}, lock mode {report['lock_mode']})",
     ]
+    for loop, info in report["loops"].items():
+        leader = info["leader"]
+        if leader:
+            age = leader.get("heartbeat_age")
+            lines.append(
+                f"{loop:<10} leader {leader['instance']} (host {leader.get('host') or '?'}, "
+                f"pid {leader.get('pid') or '?'}, since {leader.get('since') or '?'}, "
+                f"heartbeat {f'{age:.1f}s ago' if age is not None else '?'})"
+            )
+        else:
+            lines.append(f"{loop:<10} leader -")
+        standbys = info.get("standbys")
+        if standbys is not None:
+            names = ", ".join(s["instance"] or f"pid {s['backend_pid']}" for s in standbys)
+            lines.append(f"{'':<10} standbys {len(standbys)}{': ' + names if names else ''}")
+        if loop == "publish":
+            lines.append(
+                f"{'':<10} backlog {info['backlog']} due, "
+                f"{report['publications']['scheduled']} scheduled, "
+                f"next due {info['next_due'] or '-'}"
+            )
     return "\n".join(lines)
