@@ -26,6 +26,8 @@ from .db import Publication
 from .db.connect import connect
 from .errors import InvalidInput, SchedulerError
 from .logs import configure_logging, get_logger
+from .plugins.builtin import builtin_tasks
+from .plugins.tasks import load_tasks
 from .signals import stop_on_signals
 from .status import collect_status, render_status
 
@@ -128,7 +130,12 @@ def migrate(config_file: Path | None) -> None:
 def check_config(config_file: Path | None) -> None:
     """Validate and print the effective config (secrets redacted); exit 78 if invalid."""
     settings = load_settings(config_file)
-    click.echo(json.dumps(settings.redacted(), indent=2))
+    tasks = load_tasks(settings, builtin_tasks(settings))  # imports targets: exit 78 if broken
+    report = settings.redacted()
+    report["plugin"]["effective_tasks"] = [
+        {"name": t.name, "schedule": t.schedule.describe(), "source": t.source} for t in tasks
+    ]
+    click.echo(json.dumps(report, indent=2))
 
 
 def parse_when(text: str, now: datetime | None = None) -> datetime:

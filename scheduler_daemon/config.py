@@ -132,6 +132,9 @@ class PublishSettings(Section):
     batch_size: int = Field(default=500, ge=1, le=100_000)
     publishers: list[str] = Field(default_factory=list)
     max_payload_bytes: int = Field(default=1024 * 1024, ge=2)
+    # Published, cancelled and failed rows older than this are purged by the built-in
+    # plugin task purge_publications.
+    retention: Duration = 30 * 86400.0
 
 
 class PluginTaskSettings(Section):
@@ -157,6 +160,16 @@ class PluginTaskSettings(Section):
 class PluginSettings(Section):
     enabled: bool = True
     interval: Duration = 1.0
+    # Task runs in flight at once; a due task waits for a free place.
+    concurrency: int = Field(default=4, ge=1, le=1000)
+    # A task that fails this many times in a row is paused (resume with `tasks resume`).
+    max_consecutive_failures: int = Field(default=5, ge=1)
+    # Rows of run history kept per task in scheduler_plugin_runs.
+    history: int = Field(default=1000, ge=1)
+    # Load tasks from the entry-point group scheduler_daemon.plugins.
+    entry_points: bool = True
+    # Task names (from config, plugins or built-ins) not to run.
+    disabled: list[str] = Field(default_factory=list)
     tasks: list[PluginTaskSettings] = Field(default_factory=list)
 
     @field_validator("tasks")

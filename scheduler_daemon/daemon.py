@@ -31,6 +31,8 @@ from .loops.base import LoopRunner, LoopWork
 from .loops.plugin import PluginWork
 from .loops.publish import PublishWork
 from .metrics import Metrics
+from .plugins.builtin import builtin_tasks
+from .plugins.tasks import TaskSpec, load_tasks
 
 LoopName = Literal["publish", "plugin"]
 EXIT_SOFTWARE = 70  # EX_SOFTWARE: a loop died; the supervisor should restart us
@@ -48,6 +50,7 @@ class Daemon:
         self.started = asyncio.Event()
         self.forced = False
         self.metrics = Metrics()
+        self._tasks: list[TaskSpec] = []
         self._main: asyncio.Task[Any] | None = None
 
     def request_stop(self, reason: str) -> None:
@@ -73,7 +76,10 @@ class Daemon:
     def _build(self, name: LoopName, store: db.Store) -> tuple[LoopWork, float]:
         if name == "publish":
             return PublishWork(store), self.settings.publish.interval
-        return PluginWork(self.settings.plugin.tasks), self.settings.plugin.interval
+        tasks = self._tasks
+        sticky = store.backend == "sqlite" or self.settings.lock.mode == "session"
+        work = PluginWork(tasks, self.settings, self.metrics, sticky=sticky)
+        return work, self.settings.plugin.interval
 
     async def run(self) -> int:
         """Run until stopped; return the process exit code."""
@@ -86,6 +92,8 @@ class Daemon:
             return EXIT_FORCED
 
     async def _run(self) -> int:
+        # Task declarations are config: validate them (exit 78) before touching the database.
+        self._tasks = load_tasks(self.settings, builtin_tasks(self.settings))
         async with AsyncExitStack() as stack:
             store = await self._until_stopped(connect(self.settings, self.log))
             if store is None:

@@ -7,6 +7,7 @@ for business logic; they branch on capability flags such as :attr:`Store.support
 
 from __future__ import annotations
 
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, Protocol
@@ -59,6 +60,15 @@ class Tx(Protocol):
 
     async def execute(self, sql: str) -> None:
         """Run SQL (one or several statements, no parameters)."""
+        ...
+
+    async def fetch(self, query: str, *args: Any) -> list[dict[str, Any]]:
+        """Run the named query from the backend's queries file; rows as dicts, times as
+        aware datetimes."""
+        ...
+
+    def savepoint(self) -> AbstractAsyncContextManager[None]:
+        """A nested transaction: an error inside rolls back only what it did."""
         ...
 
 

@@ -9,7 +9,8 @@ dedicated connection with :meth:`PostgresStore.connect_dedicated`.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Any, Final
 
@@ -45,6 +46,14 @@ class PgTx:
 
     async def execute(self, sql: str) -> None:
         await self.conn.execute(sql)
+
+    async def fetch(self, query: str, *args: Any) -> list[dict[str, Any]]:
+        return [dict(row) for row in await self.conn.fetch(Q[query], *args)]
+
+    @asynccontextmanager
+    async def savepoint(self) -> AsyncIterator[None]:
+        async with self.conn.transaction():
+            yield
 
 
 class PostgresStore:

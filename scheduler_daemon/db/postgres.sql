@@ -121,3 +121,119 @@ ORDER BY l.granted DESC, a.backend_start
 SELECT loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at,
        extract(epoch FROM now() - heartbeat_at)::float8 AS heartbeat_age
 FROM scheduler_leaders ORDER BY loop
+
+-- Plugin loop. Everything below runs inside the tick's fenced transaction (Tx).
+
+-- name: now
+SELECT now() AS now
+
+-- name: task_states
+SELECT name, schedule, next_run_at, active, paused, trigger_requested_at
+FROM scheduler_plugin_tasks
+
+-- name: task_insert
+INSERT INTO scheduler_plugin_tasks (name, schedule, next_run_at) VALUES ($1, $2, $3)
+ON CONFLICT (name) DO NOTHING
+
+-- name: task_reschedule
+-- The task's schedule changed in config: its old next_run_at means nothing any more.
+UPDATE scheduler_plugin_tasks
+SET schedule = $2, next_run_at = $3, active = true, updated_at = now()
+WHERE name = $1
+
+-- name: task_activate
+UPDATE scheduler_plugin_tasks SET active = true, updated_at = now()
+WHERE name = $1 AND NOT active
+
+-- name: tasks_deactivate_others
+UPDATE scheduler_plugin_tasks SET active = false, updated_at = now()
+WHERE active AND NOT (name = ANY($1::text[]))
+
+-- name: runs_abandon_all
+-- Sticky leadership just began, so every run still marked running belongs to a leader
+-- whose session is gone: it can never record its result.
+UPDATE scheduler_plugin_runs
+SET status = 'abandoned', finished_at = now(), error = $1
+WHERE status = 'running'
+RETURNING name, slot, instance
+
+-- name: runs_abandon_expired
+UPDATE scheduler_plugin_runs
+SET status = 'abandoned', finished_at = now(), error = $3
+WHERE name = $1 AND status = 'running' AND started_at < $2
+RETURNING name, slot, instance
+
+-- name: run_in_flight
+SELECT slot, instance, started_at FROM scheduler_plugin_runs
+WHERE name = $1 AND status = 'running'
+LIMIT 1
+
+-- name: slot_claim
+INSERT INTO scheduler_plugin_runs (name, slot, instance, status, finished_at)
+VALUES ($1, $2, $3, $4, CASE WHEN $4 = 'running' THEN NULL ELSE now() END)
+ON CONFLICT (name, slot) DO NOTHING
+RETURNING id
+
+-- name: task_advance
+-- Compare-and-set on the next_run_at this tick read.
+UPDATE scheduler_plugin_tasks SET next_run_at = $3, updated_at = now()
+WHERE name = $1 AND next_run_at = $2
+RETURNING name
+
+-- name: trigger_consume
+UPDATE scheduler_plugin_tasks SET trigger_requested_at = NULL, updated_at = now()
+WHERE name = $1 AND trigger_requested_at = $2
+RETURNING name
+
+-- name: task_started
+UPDATE scheduler_plugin_tasks
+SET last_slot = $2, last_started_at = now(), last_status = 'running',
+    run_count = run_count + 1, updated_at = now()
+WHERE name = $1
+
+-- name: run_finish
+UPDATE scheduler_plugin_runs SET status = $2, error = $3, finished_at = clock_timestamp()
+WHERE id = $1 AND status = 'running'
+RETURNING id
+
+-- name: task_finished
+UPDATE scheduler_plugin_tasks
+SET last_finished_at = clock_timestamp(), last_status = $2, last_error = $3,
+    consecutive_failures = CASE WHEN $2 = 'succeeded' THEN 0 ELSE consecutive_failures + 1 END,
+    paused = paused OR ($2 <> 'succeeded' AND consecutive_failures + 1 >= $4),
+    updated_at = now()
+WHERE name = $1
+RETURNING consecutive_failures, paused
+
+-- name: runs_trim
+DELETE FROM scheduler_plugin_runs
+WHERE name = $1 AND status <> 'running'
+  AND id <= (SELECT id FROM scheduler_plugin_runs WHERE name = $1
+             ORDER BY id DESC OFFSET $2 LIMIT 1)
+
+-- name: purge_publications
+DELETE FROM scheduler_publications
+WHERE id IN (SELECT id FROM scheduler_publications
+             WHERE status <> 'scheduled' AND publish_at < now() - make_interval(secs => $1)
+             ORDER BY publish_at LIMIT $2)
+RETURNING id
+
+-- name: tasks_list
+SELECT name, schedule, next_run_at, active, paused, trigger_requested_at,
+       consecutive_failures, last_slot, last_started_at, last_finished_at, last_status,
+       last_error, run_count
+FROM scheduler_plugin_tasks ORDER BY name
+
+-- name: task_pause
+UPDATE scheduler_plugin_tasks SET paused = true, updated_at = now() WHERE name = $1
+RETURNING name
+
+-- name: task_resume
+UPDATE scheduler_plugin_tasks SET paused = false, consecutive_failures = 0, updated_at = now()
+WHERE name = $1
+RETURNING name
+
+-- name: task_trigger
+UPDATE scheduler_plugin_tasks SET trigger_requested_at = clock_timestamp(), updated_at = now()
+WHERE name = $1
+RETURNING name

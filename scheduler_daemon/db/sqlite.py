@@ -9,6 +9,7 @@ Other processes on the same file wait on ``busy_timeout``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import sqlite3
 from collections.abc import AsyncIterator
@@ -67,20 +68,59 @@ def split_script(script: str) -> list[str]:
 
 
 def _publication(row: sqlite3.Row) -> Publication:
-    data: dict[str, Any] = dict(row)
+    data = from_db_row(row)
     data["payload"] = json.loads(data["payload"])
-    for column in ("publish_at", "published_at", "created_at"):
-        data[column] = from_db_time(data[column])
     return Publication(**data)
+
+
+# Columns holding times in our schema; SQLite stores them as text, callers get datetimes.
+TIME_COLUMNS = frozenset(
+    {"publish_at", "published_at", "created_at", "updated_at", "now", "next_run_at",
+     "trigger_requested_at", "last_slot", "last_started_at", "last_finished_at", "slot",
+     "started_at", "finished_at", "acquired_at", "heartbeat_at"}
+)  # fmt: skip
+
+
+def to_db_value(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return to_db_time(value)
+    if isinstance(value, list | tuple):
+        return json.dumps(list(value))
+    return value
+
+
+def from_db_row(row: sqlite3.Row) -> dict[str, Any]:
+    data = dict(row)
+    for column in TIME_COLUMNS.intersection(data):
+        data[column] = from_db_time(data[column])
+    return data
 
 
 class SqliteTx:
     def __init__(self, conn: aiosqlite.Connection) -> None:
         self.conn = conn
+        self._savepoints = itertools.count()
 
     async def execute(self, sql: str) -> None:
         for statement in split_script(sql):
             await self.conn.execute(statement)
+
+    async def fetch(self, query: str, *args: Any) -> list[dict[str, Any]]:
+        params = tuple(to_db_value(arg) for arg in args)
+        async with self.conn.execute(Q[query], params) as cursor:
+            return [from_db_row(row) for row in await cursor.fetchall()]
+
+    @asynccontextmanager
+    async def savepoint(self) -> AsyncIterator[None]:
+        name = f"sp_{next(self._savepoints)}"
+        await self.conn.execute(f"SAVEPOINT {name}")
+        try:
+            yield
+        except BaseException:
+            await self.conn.execute(f"ROLLBACK TO {name}")
+            await self.conn.execute(f"RELEASE {name}")
+            raise
+        await self.conn.execute(f"RELEASE {name}")
 
 
 class SqliteStore:

@@ -62,3 +62,130 @@ DELETE FROM scheduler_leaders WHERE loop = ? AND instance = ? AND pid = ?
 SELECT loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at,
        (julianday('now') - julianday(heartbeat_at)) * 86400.0 AS heartbeat_age
 FROM scheduler_leaders ORDER BY loop
+
+-- Plugin loop. Parameters are numbered (?1, ?2, …) in the same order as postgres.sql.
+
+-- name: now
+SELECT strftime('%Y-%m-%dT%H:%M:%fZ', 'now') AS now
+
+-- name: task_states
+SELECT name, schedule, next_run_at, active, paused, trigger_requested_at
+FROM scheduler_plugin_tasks
+
+-- name: task_insert
+INSERT INTO scheduler_plugin_tasks (name, schedule, next_run_at) VALUES (?1, ?2, ?3)
+ON CONFLICT (name) DO NOTHING
+
+-- name: task_reschedule
+UPDATE scheduler_plugin_tasks
+SET schedule = ?2, next_run_at = ?3, active = 1,
+    updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
+WHERE name = ?1
+
+-- name: task_activate
+UPDATE scheduler_plugin_tasks SET active = 1,
+    updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
+WHERE name = ?1 AND NOT active
+
+-- name: tasks_deactivate_others
+UPDATE scheduler_plugin_tasks SET active = 0,
+    updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
+WHERE active AND name NOT IN (SELECT value FROM json_each(?1))
+
+-- name: runs_abandon_all
+UPDATE scheduler_plugin_runs
+SET status = 'abandoned', finished_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), error = ?1
+WHERE status = 'running'
+RETURNING name, slot, instance
+
+-- name: runs_abandon_expired
+UPDATE scheduler_plugin_runs
+SET status = 'abandoned', finished_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), error = ?3
+WHERE name = ?1 AND status = 'running' AND julianday(started_at) < julianday(?2)
+RETURNING name, slot, instance
+
+-- name: run_in_flight
+SELECT slot, instance, started_at FROM scheduler_plugin_runs
+WHERE name = ?1 AND status = 'running'
+LIMIT 1
+
+-- name: slot_claim
+INSERT INTO scheduler_plugin_runs (name, slot, instance, status, finished_at)
+VALUES (?1, ?2, ?3, ?4,
+        CASE WHEN ?4 = 'running' THEN NULL ELSE strftime('%Y-%m-%dT%H:%M:%fZ', 'now') END)
+ON CONFLICT (name, slot) DO NOTHING
+RETURNING id
+
+-- name: task_advance
+UPDATE scheduler_plugin_tasks SET next_run_at = ?3,
+    updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
+WHERE name = ?1 AND julianday(next_run_at) = julianday(?2)
+RETURNING name
+
+-- name: trigger_consume
+UPDATE scheduler_plugin_tasks SET trigger_requested_at = NULL,
+    updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
+WHERE name = ?1 AND julianday(trigger_requested_at) = julianday(?2)
+RETURNING name
+
+-- name: task_started
+UPDATE scheduler_plugin_tasks
+SET last_slot = ?2, last_started_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'),
+    last_status = 'running', run_count = run_count + 1,
+    updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
+WHERE name = ?1
+
+-- name: run_finish
+UPDATE scheduler_plugin_runs
+SET status = ?2, error = ?3, finished_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
+WHERE id = ?1 AND status = 'running'
+RETURNING id
+
+-- name: task_finished
+UPDATE scheduler_plugin_tasks
+SET last_finished_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), last_status = ?2,
+    last_error = ?3,
+    consecutive_failures = CASE WHEN ?2 = 'succeeded' THEN 0 ELSE consecutive_failures + 1 END,
+    paused = paused OR (?2 <> 'succeeded' AND consecutive_failures + 1 >= ?4),
+    updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
+WHERE name = ?1
+RETURNING consecutive_failures, paused
+
+-- name: runs_trim
+DELETE FROM scheduler_plugin_runs
+WHERE name = ?1 AND status <> 'running'
+  AND id <= (SELECT id FROM scheduler_plugin_runs WHERE name = ?1
+             ORDER BY id DESC LIMIT 1 OFFSET ?2)
+
+-- name: purge_publications
+DELETE FROM scheduler_publications
+WHERE id IN (SELECT id FROM scheduler_publications
+             WHERE status <> 'scheduled'
+               AND julianday(publish_at) < julianday('now') - ?1 / 86400.0
+             ORDER BY julianday(publish_at) LIMIT ?2)
+RETURNING id
+
+-- name: tasks_list
+SELECT name, schedule, next_run_at, active, paused, trigger_requested_at,
+       consecutive_failures, last_slot, last_started_at, last_finished_at, last_status,
+       last_error, run_count
+FROM scheduler_plugin_tasks ORDER BY name
+
+-- name: task_pause
+UPDATE scheduler_plugin_tasks SET paused = 1,
+    updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
+WHERE name = ?1
+RETURNING name
+
+-- name: task_resume
+UPDATE scheduler_plugin_tasks SET paused = 0, consecutive_failures = 0,
+    updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
+WHERE name = ?1
+RETURNING name
+
+-- name: task_trigger
+UPDATE scheduler_plugin_tasks
+SET trigger_requested_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'),
+    updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
+WHERE name = ?1
+RETURNING name

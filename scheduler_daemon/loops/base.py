@@ -38,6 +38,11 @@ class LoopWork(Protocol):
 
     async def tick(self, tick: Tick) -> float | None: ...
 
+    async def leadership_ended(self, graceful: bool) -> None:
+        """Called before leadership is released. ``graceful``: the daemon is stopping and
+        the lease is still valid; otherwise leadership was lost."""
+        ...
+
 
 class LoopRunner:
     def __init__(
@@ -71,7 +76,11 @@ class LoopRunner:
             try:
                 async with self.guard.leadership() as lease:
                     backoff.reset()
-                    await self._lead(lease)
+                    try:
+                        await self._lead(lease)
+                    finally:
+                        graceful = self.stop.is_set() and not lease.lost.is_set()
+                        await self.work.leadership_ended(graceful)
             except Stopping:
                 break
             except LeadershipLost as lost:

@@ -19,3 +19,6 @@ class PublishWork:
             stats = await self.store.publication_stats()
         tick.log.info("tick.done", due=stats.due, scheduled=stats.scheduled)
         return None
+
+    async def leadership_ended(self, graceful: bool) -> None:
+        pass  # a tick leaves nothing running behind it

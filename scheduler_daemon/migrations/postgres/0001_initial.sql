@@ -18,9 +18,9 @@ CREATE TABLE scheduler_publications (
 -- The publish tick reads only scheduled rows in publish_at order: keep that index small.
 CREATE INDEX scheduler_publications_due_idx
     ON scheduler_publications (publish_at, id) WHERE status = 'scheduled';
--- Retention purges finished rows by age.
+-- Retention purges finished rows by the time they were due.
 CREATE INDEX scheduler_publications_finished_idx
-    ON scheduler_publications (created_at) WHERE status <> 'scheduled';
+    ON scheduler_publications (publish_at) WHERE status <> 'scheduled';
 
 -- Wake the publish leader when something becomes due sooner than it planned to wake.
 -- One notification per statement (not per row), carrying the earliest publish_at, so a

@@ -19,7 +19,7 @@ CREATE TABLE scheduler_publications (
 CREATE INDEX scheduler_publications_due_idx
     ON scheduler_publications (julianday(publish_at), id) WHERE status = 'scheduled';
 CREATE INDEX scheduler_publications_finished_idx
-    ON scheduler_publications (created_at) WHERE status <> 'scheduled';
+    ON scheduler_publications (publish_at) WHERE status <> 'scheduled';
 
 CREATE TABLE scheduler_plugin_tasks (
     name                 TEXT PRIMARY KEY,

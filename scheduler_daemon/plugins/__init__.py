@@ -1,0 +1,1 @@
+"""Plugin tasks: declarations (config, entry points, built-ins), schedules, context."""

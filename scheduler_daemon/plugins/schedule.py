@@ -1,0 +1,96 @@
+"""When a task's slots fall: fixed intervals, or cron expressions in an IANA timezone.
+
+Slots are instants (aware UTC datetimes). ``plan`` turns "the slot the database says is
+next" and "the database's now" into what to run and what comes after, applying the
+misfire policy: after downtime, at most one catch-up run, never a burst.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from croniter import croniter
+
+Misfire = Literal["run_once", "skip"]
+
+
+@dataclass(frozen=True, slots=True)
+class Every:
+    seconds: float
+
+    def first(self, now: datetime) -> datetime:
+        return now  # a new interval task runs at once, then every `seconds`
+
+    def next_after(self, slot: datetime) -> datetime:
+        return slot + timedelta(seconds=self.seconds)
+
+    def first_after(self, slot: datetime, now: datetime) -> datetime:
+        """The first slot strictly after ``now``, keeping the phase of ``slot``."""
+        periods = math.floor((now - slot).total_seconds() / self.seconds) + 1
+        return slot + timedelta(seconds=self.seconds * max(periods, 1))
+
+    def describe(self) -> str:
+        return f"every {self.seconds:g}s"
+
+
+@dataclass(frozen=True, slots=True)
+class Cron:
+    expression: str
+    timezone: str
+
+    def __post_init__(self) -> None:
+        try:
+            ZoneInfo(self.timezone)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown timezone {self.timezone!r}") from None
+        if not croniter.is_valid(self.expression):
+            raise ValueError(f"invalid cron expression {self.expression!r}")
+
+    @property
+    def _fixed_hours(self) -> bool:
+        fields = self.expression.split()
+        return len(fields) >= 2 and fields[1] != "*"
+
+    def first(self, now: datetime) -> datetime:
+        return self.next_after(now)
+
+    def next_after(self, slot: datetime) -> datetime:
+        tz = ZoneInfo(self.timezone)
+        local = slot.astimezone(tz)
+        candidate: datetime = croniter(self.expression, local).get_next(datetime)
+        # When clocks go back, an hour repeats. Like cron, a job pinned to an hour runs
+        # once in it (the first time); a job on every hour runs at each real instant.
+        if self._fixed_hours and candidate.replace(tzinfo=None) == local.replace(tzinfo=None):
+            candidate = croniter(self.expression, candidate).get_next(datetime)
+        return candidate.astimezone(UTC)
+
+    def first_after(self, slot: datetime, now: datetime) -> datetime:
+        return self.next_after(now)
+
+    def describe(self) -> str:
+        return f"cron {self.expression} {self.timezone}"
+
+
+Schedule = Every | Cron
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    run: bool  # claim and run ``slot`` now
+    next_run_at: datetime
+    missed: bool  # at least one whole period passed without a run
+
+
+def plan(schedule: Schedule, slot: datetime, now: datetime, misfire: Misfire) -> Plan:
+    following = schedule.next_after(slot)
+    if following > now:
+        return Plan(run=True, next_run_at=following, missed=False)
+    return Plan(
+        run=misfire == "run_once",
+        next_run_at=schedule.first_after(slot, now),
+        missed=True,
+    )

@@ -1,0 +1,171 @@
+"""Task declarations: from config, from installed plugins, and the built-ins; one model.
+
+A plugin is a distribution that declares an entry point in the group
+``scheduler_daemon.plugins``; the entry point is a callable returning task declarations,
+each a mapping with the same keys as a ``[[plugin.tasks]]`` table, where ``target`` may
+also be the callable itself::
+
+    [project.entry-points."scheduler_daemon.plugins"]
+    my_plugin = "my_plugin:tasks"
+
+    def tasks():
+        return [{"name": "my-plugin.refresh", "every": "5m", "target": refresh}]
+
+Everything is validated before the daemon starts: a bad declaration is a config error
+(exit 78) that names the task.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from ..config import PluginTaskSettings, Settings
+from ..errors import ConfigError
+from .schedule import Cron, Every, Misfire, Schedule
+
+if TYPE_CHECKING:
+    from .context import TaskContext
+
+ENTRY_POINT_GROUP = "scheduler_daemon.plugins"
+Target = Callable[..., Any]
+
+
+@dataclass(frozen=True, slots=True)
+class TaskSpec:
+    name: str
+    schedule: Schedule
+    timeout: float
+    misfire: Misfire
+    target: Target | None
+    sql: str | None
+    source: str  # "config", "plugin:<entry point>", "builtin"
+    enabled: bool = True
+
+    @property
+    def is_async(self) -> bool:
+        return self.target is not None and inspect.iscoroutinefunction(self.target)
+
+    @property
+    def wants_context(self) -> bool:
+        if self.target is None:
+            return False
+        try:
+            return bool(inspect.signature(self.target).parameters)
+        except (TypeError, ValueError):
+            return True
+
+    async def call(self, ctx: TaskContext) -> None:
+        """Run a Python target: coroutine functions on the loop, others in a thread."""
+        assert self.target is not None
+        args = (ctx,) if self.wants_context else ()
+        if self.is_async:
+            await self.target(*args)
+            return
+        import asyncio
+
+        result = await asyncio.to_thread(self.target, *args)
+        if inspect.isawaitable(result):  # a plain function that returned a coroutine
+            await result
+
+
+def import_target(path: str) -> Target:
+    """``"package.module:function"`` (or ``:Class.method``) -> the callable."""
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"target {path!r} is not of the form 'package.module:function'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"target {path!r}: cannot import {module_name!r}: {exc}") from None
+    for part in attribute.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"target {path!r}: {module_name} has no {attribute!r}") from None
+    if not callable(obj):
+        raise ValueError(f"target {path!r} is not callable")
+    return obj  # type: ignore[no-any-return]
+
+
+def build_spec(declaration: PluginTaskSettings, source: str, target: Target | None) -> TaskSpec:
+    schedule: Schedule
+    if declaration.every is not None:
+        schedule = Every(declaration.every)
+    else:
+        assert declaration.cron is not None
+        schedule = Cron(declaration.cron, declaration.timezone)
+    if target is None and declaration.target is not None:
+        target = import_target(declaration.target)
+    return TaskSpec(
+        name=declaration.name,
+        schedule=schedule,
+        timeout=declaration.timeout,
+        misfire=declaration.misfire,
+        target=target,
+        sql=declaration.sql,
+        source=source,
+        enabled=declaration.enabled,
+    )
+
+
+def _from_mapping(raw: Mapping[str, Any], source: str) -> TaskSpec:
+    data = dict(raw)
+    target = data.get("target")
+    callable_target = target if callable(target) else None
+    if callable_target is not None:
+        data["target"] = (
+            f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', '?')}"
+        )
+    declaration = PluginTaskSettings.model_validate(data)
+    return build_spec(declaration, source, callable_target)
+
+
+def _plugin_declarations() -> Iterable[tuple[str, Mapping[str, Any]]]:
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        source = f"plugin:{entry.name}"
+        try:
+            provider = entry.load()
+            declared = provider() if callable(provider) else provider
+            for item in declared:
+                if isinstance(item, PluginTaskSettings):
+                    item = item.model_dump(exclude_none=True)
+                yield source, item
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(f"plugin {entry.name!r} ({entry.value}): {exc}") from None
+
+
+def load_tasks(settings: Settings, builtins: Iterable[Mapping[str, Any]] = ()) -> list[TaskSpec]:
+    """Every enabled task, validated. Raises :class:`ConfigError` naming the task."""
+    specs: dict[str, TaskSpec] = {}
+    disabled = set(settings.plugin.disabled)
+
+    def add(name: str, source: str, make: Callable[..., TaskSpec], *args: Any) -> None:
+        try:
+            spec = make(*args)
+        except (ValueError, ValidationError) as exc:
+            message = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+            raise ConfigError(f"invalid task {name!r} ({source}): {message}") from None
+        if spec.name in specs:
+            raise ConfigError(
+                f"invalid task {spec.name!r}: declared twice ({specs[spec.name].source} "
+                f"and {source})"
+            )
+        specs[spec.name] = spec
+
+    for declaration in settings.plugin.tasks:
+        add(declaration.name, "config", build_spec, declaration, "config", None)
+    for builtin in builtins:
+        add(str(builtin.get("name")), "builtin", _from_mapping, builtin, "builtin")
+    if settings.plugin.entry_points:
+        for source, item in _plugin_declarations():
+            add(str(item.get("name")), source, _from_mapping, item, source)
+    return [spec for spec in specs.values() if spec.enabled and spec.name not in disabled]
