@@ -24,7 +24,7 @@ from .config import LogSettings, Settings, load_settings, parse_duration
 from .daemon import Daemon
 from .db import Publication
 from .db.connect import connect
-from .errors import InvalidInput, SchedulerError
+from .errors import InvalidInput, NotFound, SchedulerError
 from .logs import configure_logging, get_logger
 from .plugins.builtin import builtin_tasks
 from .plugins.tasks import load_tasks
@@ -223,6 +223,70 @@ def status(config_file: Path | None, as_json: bool) -> None:
 
     report = _run(main())
     click.echo(json.dumps(report, indent=2) if as_json else render_status(report))
+
+
+@cli.group()
+def tasks() -> None:
+    """List and operate plugin tasks."""
+
+
+def _task_rows(settings: Settings, query: str, *args: Any) -> list[dict[str, Any]]:
+    async def main() -> list[dict[str, Any]]:
+        store = await connect(settings, get_logger(instance=settings.instance_id))
+        try:
+            async with store.transaction() as tx:
+                return await tx.fetch(query, *args)
+        finally:
+            await store.close()
+
+    return _run(main())
+
+
+def _when(value: datetime | None) -> str:
+    return value.isoformat(timespec="seconds") if value else "-"
+
+
+@tasks.command("list")
+@config_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@handles_errors
+def tasks_list(config_file: Path | None, as_json: bool) -> None:
+    """Each task: schedule, next run, last run and status, run count."""
+    rows = _task_rows(_settings(config_file), "tasks_list")
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, default=str))
+        return
+    header = f"{'TASK':<28} {'STATE':<9} {'NEXT RUN':<26} {'LAST STATUS':<12} {'RUNS':>6}  SCHEDULE"
+    click.echo(header)
+    for row in rows:
+        state = "inactive" if not row["active"] else "paused" if row["paused"] else "active"
+        click.echo(
+            f"{row['name']:<28} {state:<9} {_when(row['next_run_at']):<26} "
+            f"{row['last_status'] or '-':<12} {row['run_count']:>6}  {row['schedule']}"
+        )
+
+
+def _task_action(query: str, done: str) -> Callable[[Path | None, str], None]:
+    @config_option
+    @click.argument("name")
+    @handles_errors
+    def action(config_file: Path | None, name: str) -> None:
+        if not _task_rows(_settings(config_file), query, name):
+            raise NotFound(f"no task named {name!r} (see `scheduler-daemon tasks list`)")
+        click.echo(f"{name}: {done}")
+
+    return action
+
+
+tasks.command("pause", help="Stop running a task's slots until resumed.")(
+    _task_action("task_pause", "paused")
+)
+tasks.command("resume", help="Resume a paused task (also clears its failure count).")(
+    _task_action("task_resume", "resumed")
+)
+tasks.command("trigger", help="Run a task once, as soon as the leader sees it.")(
+    _task_action("task_trigger", "triggered")
+)
 
 
 def main() -> None:

@@ -150,5 +150,10 @@ class PostgresStore:
         row = await self.pool.fetchrow(Q["publication_stats"])
         return PublicationStats(row["scheduled"], row["due"], row["next_due"])
 
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[PgTx]:
+        async with self.pool.acquire() as conn, conn.transaction():
+            yield PgTx(conn)
+
     async def close(self) -> None:
         await self.pool.close()

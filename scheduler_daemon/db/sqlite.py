@@ -158,7 +158,12 @@ class SqliteStore:
         return cls(settings.database_url, conn)
 
     @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[aiosqlite.Connection]:
+    async def transaction(self) -> AsyncIterator[SqliteTx]:
+        async with self.write_transaction() as conn:
+            yield SqliteTx(conn)
+
+    @asynccontextmanager
+    async def write_transaction(self) -> AsyncIterator[aiosqlite.Connection]:
         """``BEGIN IMMEDIATE``: take the write lock up front, so two writers queue on
         ``busy_timeout`` instead of failing later with SQLITE_BUSY on upgrade."""
         async with self._lock:
@@ -172,7 +177,7 @@ class SqliteStore:
 
     async def migrate(self) -> list[AppliedMigration]:
         applied: list[AppliedMigration] = []
-        async with self.transaction() as conn:
+        async with self.write_transaction() as conn:
             await conn.execute(Q["create_version_table"])
             async with conn.execute(Q["applied_versions"]) as cursor:
                 done = {row[0] for row in await cursor.fetchall()}
@@ -203,7 +208,7 @@ class SqliteStore:
     async def schedule(
         self, publish_at: datetime, payload_json: str, key: str | None
     ) -> ScheduleResult:
-        async with self.transaction() as conn:
+        async with self.write_transaction() as conn:
             params = (key, payload_json, to_db_time(publish_at))
             async with conn.execute(Q["schedule"], params) as cursor:
                 row = await cursor.fetchone()
@@ -215,7 +220,10 @@ class SqliteStore:
         return ScheduleResult(_publication(existing), created=False)
 
     async def cancel(self, publication_id: int) -> Publication:
-        async with self.transaction() as conn, conn.execute(Q["cancel"], (publication_id,)) as cur:
+        async with (
+            self.write_transaction() as conn,
+            conn.execute(Q["cancel"], (publication_id,)) as cur,
+        ):
             row = await cur.fetchone()
         if row is not None:
             return _publication(row)

@@ -41,8 +41,8 @@ class FlockLease(LeaseState):
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[SqliteTx]:
-        async with self.store.transaction() as conn:
-            yield SqliteTx(conn)
+        async with self.store.transaction() as tx:
+            yield tx
 
 
 class FlockGuard:
@@ -72,7 +72,7 @@ class FlockGuard:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             await self._acquire(fd)
-            async with self.store.transaction() as conn:
+            async with self.store.write_transaction() as conn:
                 await conn.execute(
                     Q["leader_claim"],
                     (
@@ -95,7 +95,7 @@ class FlockGuard:
                 await asyncio.wait({heartbeat})
                 self.metrics.leader.labels(self.loop).set(0)
                 with suppress(Exception):
-                    async with self.store.transaction() as conn:
+                    async with self.store.write_transaction() as conn:
                         await conn.execute(Q["leader_release"], (self.loop, *self._identity))
                 self.metrics.leadership_changes.labels(self.loop, "released").inc()
                 self.log.info("leader.released")
@@ -119,7 +119,7 @@ class FlockGuard:
         while True:
             await asyncio.sleep(self.settings.lock.heartbeat_interval)
             try:
-                async with self.store.transaction() as conn:
+                async with self.store.write_transaction() as conn:
                     await conn.execute(Q["leader_heartbeat"], (self.loop, *self._identity))
             except Exception as exc:
                 self.metrics.heartbeat_failures.labels(self.loop).inc()
