@@ -28,6 +28,7 @@ from .errors import InvalidInput, NotFound, SchedulerError
 from .logs import configure_logging, get_logger
 from .plugins.builtin import builtin_tasks
 from .plugins.tasks import load_tasks
+from .publishers import build_publishers
 from .signals import stop_on_signals
 from .status import collect_status, render_status
 
@@ -131,6 +132,7 @@ def check_config(config_file: Path | None) -> None:
     """Validate and print the effective config (secrets redacted); exit 78 if invalid."""
     settings = load_settings(config_file)
     tasks = load_tasks(settings, builtin_tasks(settings))  # imports targets: exit 78 if broken
+    build_publishers(settings, settings.database_url.backend)
     report = settings.redacted()
     report["plugin"]["effective_tasks"] = [
         {"name": t.name, "schedule": t.schedule.describe(), "source": t.source} for t in tasks

@@ -20,6 +20,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
@@ -126,15 +127,60 @@ class DatabaseSettings(Section):
         return self
 
 
+class NotifyPublisherSettings(Section):
+    channel: str = Field(default="scheduler_published", min_length=1, max_length=63)
+
+
+class SqlPublisherSettings(Section):
+    # Run in the publishing transaction. "batch": once per batch, each parameter an array
+    # over the batch (PostgreSQL: `... WHERE id = ANY($1)`). "row": once per row.
+    statement: str | None = None
+    params: list[str] = Field(default_factory=lambda: ["id"])
+    mode: Literal["batch", "row"] = "batch"
+
+    @field_validator("params")
+    @classmethod
+    def _known_params(cls, params: list[str]) -> list[str]:
+        for param in params:
+            if param not in ("id", "key", "publish_at") and not param.startswith("$."):
+                raise ValueError(
+                    f"param {param!r}: use id, key, publish_at or a payload path like $.post_id"
+                )
+        return params
+
+
+class WebhookPublisherSettings(Section):
+    url: str | None = None
+    secret: SecretStr | None = None
+    timeout: Duration = 10.0
+    max_attempts: int = Field(default=8, ge=1)
+    backoff: Duration = 1.0
+    max_backoff: Duration = 300.0
+    concurrency: int = Field(default=8, ge=1, le=256)
+
+
 class PublishSettings(Section):
     enabled: bool = True
     interval: Duration = 5.0
     batch_size: int = Field(default=500, ge=1, le=100_000)
     publishers: list[str] = Field(default_factory=list)
+    notify: NotifyPublisherSettings = Field(default_factory=NotifyPublisherSettings)
+    sql: SqlPublisherSettings = Field(default_factory=SqlPublisherSettings)
+    webhook: WebhookPublisherSettings = Field(default_factory=WebhookPublisherSettings)
     max_payload_bytes: int = Field(default=1024 * 1024, ge=2)
     # Published, cancelled and failed rows older than this are purged by the built-in
     # plugin task purge_publications.
     retention: Duration = 30 * 86400.0
+
+    @model_validator(mode="after")
+    def _publishers_configured(self) -> PublishSettings:
+        if len(set(self.publishers)) != len(self.publishers):
+            raise ValueError("a publisher is listed twice")
+        if "sql" in self.publishers and not self.sql.statement:
+            raise ValueError("publisher 'sql' needs publish.sql.statement")
+        if "webhook" in self.publishers and not (self.webhook.url and self.webhook.secret):
+            raise ValueError("publisher 'webhook' needs publish.webhook.url and .secret")
+        return self
 
 
 class PluginTaskSettings(Section):

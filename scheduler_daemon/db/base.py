@@ -7,6 +7,7 @@ for business logic; they branch on capability flags such as :attr:`Store.support
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -65,6 +66,14 @@ class Tx(Protocol):
     async def fetch(self, query: str, *args: Any) -> list[dict[str, Any]]:
         """Run the named query from the backend's queries file; rows as dicts, times as
         aware datetimes."""
+        ...
+
+    async def run(self, sql: str, *args: Any) -> None:
+        """Run one caller-supplied statement with parameters ($1… / ?1…)."""
+        ...
+
+    async def run_many(self, sql: str, args: Sequence[Sequence[Any]]) -> None:
+        """Run one caller-supplied statement for each parameter tuple (pipelined)."""
         ...
 
     def savepoint(self) -> AbstractAsyncContextManager[None]:

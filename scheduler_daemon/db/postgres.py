@@ -9,7 +9,7 @@ dedicated connection with :meth:`PostgresStore.connect_dedicated`.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Any, Final
@@ -49,6 +49,12 @@ class PgTx:
 
     async def fetch(self, query: str, *args: Any) -> list[dict[str, Any]]:
         return [dict(row) for row in await self.conn.fetch(Q[query], *args)]
+
+    async def run(self, sql: str, *args: Any) -> None:
+        await self.conn.execute(sql, *args)
+
+    async def run_many(self, sql: str, args: Sequence[Sequence[Any]]) -> None:
+        await self.conn.executemany(sql, args)
 
     @asynccontextmanager
     async def savepoint(self) -> AsyncIterator[None]:

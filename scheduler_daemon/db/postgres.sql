@@ -237,3 +237,68 @@ RETURNING name
 UPDATE scheduler_plugin_tasks SET trigger_requested_at = clock_timestamp(), updated_at = now()
 WHERE name = $1
 RETURNING name
+
+-- Publish loop.
+
+-- name: publish_due
+-- One statement per batch: pick due rows in publish_at order (SKIP LOCKED: never wait on
+-- a row someone is editing), flip them, return what the publishers need.
+WITH due AS (
+    SELECT id FROM scheduler_publications
+    WHERE status = 'scheduled' AND publish_at <= now()
+    ORDER BY publish_at, id
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE scheduler_publications AS p
+SET status = 'published', published_at = clock_timestamp(), published_by = $2,
+    attempts = p.attempts + 1, last_error = NULL
+FROM due
+WHERE p.id = due.id
+RETURNING p.id, p.key, p.payload, p.publish_at, p.published_at
+
+-- name: publication_fail
+UPDATE scheduler_publications
+SET status = 'failed', published_at = NULL, last_error = $2
+WHERE id = $1
+
+-- name: next_due_in
+SELECT extract(epoch FROM min(publish_at) - clock_timestamp())::float8 AS seconds,
+       extract(epoch FROM clock_timestamp())::float8 AS db_epoch
+FROM scheduler_publications WHERE status = 'scheduled'
+
+-- name: notify_published
+SELECT pg_notify($1, message) FROM unnest($2::text[]) AS message
+
+-- name: outbox_add
+INSERT INTO scheduler_webhook_outbox (publication_id)
+SELECT unnest($1::bigint[])
+ON CONFLICT (publication_id) DO NOTHING
+
+-- name: outbox_due
+SELECT o.publication_id AS id, o.attempts, p.key, p.payload, p.publish_at, p.published_at
+FROM scheduler_webhook_outbox o
+JOIN scheduler_publications p ON p.id = o.publication_id
+WHERE o.status = 'pending' AND o.next_attempt_at <= now()
+ORDER BY o.next_attempt_at
+LIMIT $1
+
+-- name: outbox_delivered
+UPDATE scheduler_webhook_outbox
+SET status = 'delivered', attempts = attempts + 1, delivered_at = now(), last_error = NULL
+WHERE publication_id = $1 AND status = 'pending'
+
+-- name: outbox_retry
+UPDATE scheduler_webhook_outbox
+SET attempts = attempts + 1, last_error = $3,
+    next_attempt_at = now() + make_interval(secs => $2)
+WHERE publication_id = $1 AND status = 'pending'
+
+-- name: outbox_failed
+UPDATE scheduler_webhook_outbox
+SET status = 'failed', attempts = attempts + 1, last_error = $2
+WHERE publication_id = $1 AND status = 'pending'
+
+-- name: outbox_next_in
+SELECT extract(epoch FROM min(next_attempt_at) - now())::float8 AS seconds
+FROM scheduler_webhook_outbox WHERE status = 'pending'

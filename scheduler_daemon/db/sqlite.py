@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import json
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -68,9 +68,7 @@ def split_script(script: str) -> list[str]:
 
 
 def _publication(row: sqlite3.Row) -> Publication:
-    data = from_db_row(row)
-    data["payload"] = json.loads(data["payload"])
-    return Publication(**data)
+    return Publication(**from_db_row(row))
 
 
 # Columns holding times in our schema; SQLite stores them as text, callers get datetimes.
@@ -93,6 +91,8 @@ def from_db_row(row: sqlite3.Row) -> dict[str, Any]:
     data = dict(row)
     for column in TIME_COLUMNS.intersection(data):
         data[column] = from_db_time(data[column])
+    if isinstance(data.get("payload"), str):  # jsonb comes back decoded on PostgreSQL
+        data["payload"] = json.loads(data["payload"])
     return data
 
 
@@ -109,6 +109,12 @@ class SqliteTx:
         params = tuple(to_db_value(arg) for arg in args)
         async with self.conn.execute(Q[query], params) as cursor:
             return [from_db_row(row) for row in await cursor.fetchall()]
+
+    async def run(self, sql: str, *args: Any) -> None:
+        await self.conn.execute(sql, tuple(to_db_value(arg) for arg in args))
+
+    async def run_many(self, sql: str, args: Sequence[Sequence[Any]]) -> None:
+        await self.conn.executemany(sql, [tuple(to_db_value(a) for a in row) for row in args])
 
     @asynccontextmanager
     async def savepoint(self) -> AsyncIterator[None]:

@@ -189,3 +189,63 @@ SET trigger_requested_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'),
     updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
 WHERE name = ?1
 RETURNING name
+
+-- Publish loop.
+
+-- name: publish_due
+-- SQLite has one writer at a time (BEGIN IMMEDIATE), so no row locking is needed.
+UPDATE scheduler_publications
+SET status = 'published', published_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'),
+    published_by = ?2, attempts = attempts + 1, last_error = NULL
+WHERE id IN (
+    SELECT id FROM scheduler_publications
+    WHERE status = 'scheduled' AND julianday(publish_at) <= julianday('now')
+    ORDER BY julianday(publish_at), id
+    LIMIT ?1
+)
+RETURNING id, key, payload, publish_at, published_at
+
+-- name: publication_fail
+UPDATE scheduler_publications
+SET status = 'failed', published_at = NULL, last_error = ?2
+WHERE id = ?1
+
+-- name: next_due_in
+SELECT (min(julianday(publish_at)) - julianday('now')) * 86400.0 AS seconds,
+       (julianday('now') - 2440587.5) * 86400.0 AS db_epoch
+FROM scheduler_publications WHERE status = 'scheduled'
+
+-- name: outbox_add
+INSERT INTO scheduler_webhook_outbox (publication_id)
+SELECT value FROM json_each(?1)
+WHERE true
+ON CONFLICT (publication_id) DO NOTHING
+
+-- name: outbox_due
+SELECT o.publication_id AS id, o.attempts, p.key, p.payload, p.publish_at, p.published_at
+FROM scheduler_webhook_outbox o
+JOIN scheduler_publications p ON p.id = o.publication_id
+WHERE o.status = 'pending' AND julianday(o.next_attempt_at) <= julianday('now')
+ORDER BY julianday(o.next_attempt_at)
+LIMIT ?1
+
+-- name: outbox_delivered
+UPDATE scheduler_webhook_outbox
+SET status = 'delivered', attempts = attempts + 1,
+    delivered_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), last_error = NULL
+WHERE publication_id = ?1 AND status = 'pending'
+
+-- name: outbox_retry
+UPDATE scheduler_webhook_outbox
+SET attempts = attempts + 1, last_error = ?3,
+    next_attempt_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '+' || ?2 || ' seconds')
+WHERE publication_id = ?1 AND status = 'pending'
+
+-- name: outbox_failed
+UPDATE scheduler_webhook_outbox
+SET status = 'failed', attempts = attempts + 1, last_error = ?2
+WHERE publication_id = ?1 AND status = 'pending'
+
+-- name: outbox_next_in
+SELECT (min(julianday(next_attempt_at)) - julianday('now')) * 86400.0 AS seconds
+FROM scheduler_webhook_outbox WHERE status = 'pending'
