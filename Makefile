@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# Debug logging by default here, so you see every tick; override with SCHEDULER_LOG__LEVEL.
 run: $(STAMP)
-	$(BIN)/scheduler-daemon run
+	SCHEDULER_LOG__LEVEL=$${SCHEDULER_LOG__LEVEL:-debug} $(BIN)/scheduler-daemon run
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check .

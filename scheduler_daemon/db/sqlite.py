@@ -176,7 +176,12 @@ class SqliteStore:
             await self.conn.execute("BEGIN IMMEDIATE")
             try:
                 yield self.conn
-            except BaseException:
+            except BaseException as exc:
+                if isinstance(exc, asyncio.CancelledError):
+                    # The statement keeps running in aiosqlite's thread after the await
+                    # is cancelled (a timed-out SQL task, a shutdown): stop it, or the
+                    # ROLLBACK queued behind it would wait for ever.
+                    await self.conn.interrupt()
                 await self.conn.execute("ROLLBACK")
                 raise
             await self.conn.execute("COMMIT")

@@ -114,8 +114,10 @@ class LoopRunner:
                 # A failing tick is logged and retried next interval; the loop goes on.
                 tick.log.exception("tick.failed")
                 result = "failed"
+            elapsed = time.monotonic() - started
             self.metrics.ticks.labels(self.work.name, result).inc()
-            self.metrics.tick_duration.labels(self.work.name).observe(time.monotonic() - started)
+            self.metrics.tick_duration.labels(self.work.name).observe(elapsed)
+            tick.log.debug("tick.done", result=result, duration=round(elapsed, 4), next_in=delay)
             await self._sleep(self.interval if delay is None else min(delay, self.interval), lease)
 
     async def _sleep(self, seconds: float, lease: Lease | None) -> None:
