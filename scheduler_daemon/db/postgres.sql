@@ -19,7 +19,7 @@ SELECT CASE WHEN to_regclass('scheduler_schema_version') IS NULL THEN NULL
 
 -- name: schedule
 INSERT INTO scheduler_publications (key, payload, publish_at)
-VALUES ($1, $2::jsonb, $3)
+VALUES ($1, $2::text::jsonb, $3)
 ON CONFLICT (key) DO NOTHING
 RETURNING *
 

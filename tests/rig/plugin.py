@@ -1,0 +1,73 @@
+"""The rig's pytest hooks: which tests run, and why a PostgreSQL test may not skip in CI.
+
+- ``chaos_long`` tests are deselected (not skipped) unless ``--run-long`` is given.
+- Every test that needs the ``pg_server`` fixture, directly or not, is marked
+  ``postgres``.
+- With ``CI=true`` (or ``1``) a skipped ``postgres`` test is reported as failed: in CI,
+  "no PostgreSQL here" must not turn the PostgreSQL half of the suite silently green.
+
+A plugin module rather than conftest code so that tests can load it into pytester.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator, Mapping
+
+import pytest
+
+POSTGRES_FIXTURE = "pg_server"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--run-long",
+        action="store_true",
+        default=False,
+        help="also run the tests marked chaos_long (deselected otherwise)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if POSTGRES_FIXTURE in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.postgres)
+    if config.getoption("--run-long"):
+        return
+    long_runs = [item for item in items if item.get_closest_marker("chaos_long")]
+    if long_runs:
+        config.hook.pytest_deselected(items=long_runs)
+        items[:] = [item for item in items if not item.get_closest_marker("chaos_long")]
+
+
+def ci_is_set(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get("CI", "").strip().lower() in ("true", "1")
+
+
+def skip_must_fail(
+    item: pytest.Item, report: pytest.TestReport, environ: Mapping[str, str] = os.environ
+) -> bool:
+    """Whether this report is a skip of a PostgreSQL test that CI forbids.
+
+    An expected failure (``xfail``) is reported as a skip too; it is not one here.
+    """
+    return (
+        report.skipped
+        and not hasattr(report, "wasxfail")
+        and item.get_closest_marker("postgres") is not None
+        and ci_is_set(environ)
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if skip_must_fail(item, report):
+        # A skip's longrepr is (path, line, "Skipped: reason").
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        reason = str(reason).removeprefix("Skipped: ")
+        report.outcome = "failed"
+        report.longrepr = f"PostgreSQL test skipped, which CI=true forbids: {reason}"
+    return report

@@ -1,0 +1,285 @@
+"""Observing leadership from inside the guarded work, and proving no two leaders overlapped.
+
+The probe is a plugin SQL task: it runs in the leader's fenced transaction (on the lock
+connection in session mode, on a pooled connection holding the transaction lock in
+transaction mode), so a row in ``tick_log`` exists only if the transaction that ran the
+work committed, that is, only if its replica still held the lock at commit. Each row is
+one interval ``[started, ended]`` of database time, stamped with the server's
+``clock_timestamp()``, and tagged with the application_name of the session, which names
+the instance (``scheduler-daemon/<instance>/lock:plugin``).
+
+SQLite serialises every write transaction on the file, so an SQL probe there could never
+show an overlap; :func:`python_probe_env` runs a Python target instead, which records
+wall-clock intervals to a file outside any transaction.
+
+:func:`assert_no_overlap` is the one checker every leadership test uses. It refuses data
+that proves nothing (too few ticks, too few instances).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import closing
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from rig.processes import DaemonProcess
+
+PROBE_TASK = "probe"
+
+TICK_LOG_DDL = """
+CREATE TABLE tick_log (
+    id       bigserial PRIMARY KEY,
+    instance text NOT NULL,
+    started  timestamptz NOT NULL,
+    ended    timestamptz
+)
+"""
+
+TICK_LOG_DDL_SQLITE = """
+CREATE TABLE tick_log (
+    id       integer PRIMARY KEY AUTOINCREMENT,
+    instance text NOT NULL,
+    started  text NOT NULL,
+    ended    text
+)
+"""
+
+RIG_APP = {"application_name": "scheduler-test-rig"}
+
+
+def pg_probe_sql(sleep: float = 0.05) -> str:
+    """Insert a row, hold the work open for `sleep` seconds, close the row: one transaction."""
+    return (
+        "INSERT INTO tick_log (instance, started) "
+        "VALUES (current_setting('application_name'), clock_timestamp()); "
+        f"SELECT pg_sleep({sleep}); "
+        "UPDATE tick_log SET ended = clock_timestamp() WHERE id = currval('tick_log_id_seq')"
+    )
+
+
+SQLITE_PROBE_SQL = (
+    "INSERT INTO tick_log (instance, started, ended) VALUES ('sqlite', "
+    "strftime('%Y-%m-%dT%H:%M:%fZ','now'), strftime('%Y-%m-%dT%H:%M:%fZ','now'))"
+)
+
+
+def probe_env(sql: str, every: str = "0.2s", name: str = PROBE_TASK) -> dict[str, str]:
+    """The plugin loop, ticking every 0.1 s, with one SQL probe task."""
+    tasks = [{"name": name, "every": every, "sql": sql, "timeout": "10s"}]
+    return {
+        "SCHEDULER_PLUGIN__INTERVAL": "0.1",
+        "SCHEDULER_PLUGIN__TASKS": json.dumps(tasks),
+    }
+
+
+def python_probe_env(log_file: Path, every: str = "0.2s", sleep: float = 0.05) -> dict[str, str]:
+    """The plugin loop with a Python probe (``rig.probe_target:probe``) writing to `log_file`."""
+    tasks = [{"name": PROBE_TASK, "every": every, "target": "rig.probe_target:probe"}]
+    return {
+        "SCHEDULER_PLUGIN__INTERVAL": "0.1",
+        "SCHEDULER_PLUGIN__TASKS": json.dumps(tasks),
+        "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+        "PROBE_LOG": str(log_file),
+        "PROBE_SLEEP": str(sleep),
+    }
+
+
+# Timings short enough for a test and valid for config.py: step-down after 2 x 0.5 = 1 s,
+# + 1 s margin <= min(1 + 1 x 1, 2) = 2 s (server gives up) and <= stall_timeout.
+FAST_TIMINGS: Mapping[str, str] = {
+    "SCHEDULER_LOCK__HEARTBEAT_INTERVAL": "0.5",
+    "SCHEDULER_LOCK__STALL_TIMEOUT": "3",
+    "SCHEDULER_LOCK__KEEPALIVE_IDLE": "1",
+    "SCHEDULER_LOCK__KEEPALIVE_INTERVAL": "1",
+    "SCHEDULER_LOCK__KEEPALIVE_COUNT": "1",
+    "SCHEDULER_LOCK__TCP_USER_TIMEOUT": "2",
+    "SCHEDULER_LOCK__STANDBY_RECHECK": "2",
+    "SCHEDULER_SHUTDOWN_TIMEOUT": "5",
+    "SCHEDULER_DATABASE__CONNECT_TIMEOUT": "2",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    loop: str
+    instance: str
+    start: float  # seconds since the epoch
+    end: float
+
+
+def instance_of(application_name: str) -> str:
+    """``scheduler-daemon/<instance>/<purpose>`` -> ``<instance>``."""
+    parts = application_name.split("/")
+    return "/".join(parts[1:-1]) if len(parts) >= 3 else application_name
+
+
+def assert_no_overlap(
+    intervals: Iterable[Interval], *, min_ticks: int, min_instances: int = 1
+) -> dict[str, dict[str, int]]:
+    """Fail if two intervals of one loop overlap, whoever ran them (the same instance
+    twice would be a re-entrant tick). Also fail on data that proves nothing: fewer than
+    `min_ticks` intervals or `min_instances` distinct instances in a loop, or no loop.
+
+    Returns ``{loop: {instance: ticks}}`` for the caller to print or check further.
+    """
+    by_loop: dict[str, list[Interval]] = defaultdict(list)
+    for interval in intervals:
+        assert interval.end >= interval.start, f"interval ends before it starts: {interval}"
+        by_loop[interval.loop].append(interval)
+    assert by_loop, "no intervals at all: the probe never ran, so nothing was checked"
+    summary: dict[str, dict[str, int]] = {}
+    for loop, items in by_loop.items():
+        items.sort(key=lambda i: (i.start, i.end))
+        latest = items[0]  # the interval reaching furthest so far
+        for current in items[1:]:
+            assert current.start >= latest.end, (
+                f"loop {loop}: {latest.instance} ran "
+                f"[{_stamp(latest.start)}, {_stamp(latest.end)}] and {current.instance} "
+                f"started at {_stamp(current.start)}, {latest.end - current.start:.3f}s "
+                "before that ended: two leaders at once"
+            )
+            if current.end > latest.end:
+                latest = current
+        counts: dict[str, int] = defaultdict(int)
+        for item in items:
+            counts[item.instance] += 1
+        assert len(items) >= min_ticks, (
+            f"loop {loop}: only {len(items)} ticks (< {min_ticks}): too little to prove exclusion"
+        )
+        assert len(counts) >= min_instances, (
+            f"loop {loop}: ticks by {dict(counts)}, expected >= {min_instances} instances"
+        )
+        summary[loop] = dict(counts)
+    return summary
+
+
+def _stamp(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch).strftime("%H:%M:%S.%f")
+
+
+# -- reading the probes back ------------------------------------------------------------
+
+
+async def create_tick_log(dsn: str) -> None:
+    conn = await asyncpg.connect(dsn, server_settings=RIG_APP)
+    try:
+        await conn.execute(TICK_LOG_DDL)
+    finally:
+        await conn.close()
+
+
+async def pg_ticks(dsn: str, loop: str = "plugin") -> list[Interval]:
+    """The committed probe rows. A row without ``ended`` cannot exist: the probe closes its
+    row in the transaction that opened it. Any such row fails the test here."""
+    conn = await asyncpg.connect(dsn, server_settings=RIG_APP)
+    try:
+        rows = await conn.fetch(
+            "SELECT id, instance, extract(epoch FROM started)::float8 AS s, "
+            "extract(epoch FROM ended)::float8 AS e FROM tick_log ORDER BY id"
+        )
+    finally:
+        await conn.close()
+    open_rows = [row["id"] for row in rows if row["e"] is None]
+    assert not open_rows, f"committed probe rows without an end: {open_rows}"
+    return [Interval(loop, instance_of(row["instance"]), row["s"], row["e"]) for row in rows]
+
+
+def create_sqlite_tick_log(path: Path) -> None:
+    with closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute(TICK_LOG_DDL_SQLITE)
+
+
+def sqlite_tick_count(path: Path) -> int:
+    with closing(sqlite3.connect(path)) as conn:
+        count: int = conn.execute("SELECT count(*) FROM tick_log").fetchone()[0]
+        return count
+
+
+def python_ticks(log_file: Path, loop: str = "plugin") -> list[Interval]:
+    """Intervals written by ``rig.probe_target:probe`` (one JSON line per finished run)."""
+    try:
+        lines = log_file.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    intervals = []
+    for line in lines:
+        entry = json.loads(line)
+        intervals.append(Interval(loop, entry["instance"], entry["start"], entry["end"]))
+    return intervals
+
+
+# -- log events -------------------------------------------------------------------------
+
+
+def event_time(entry: Mapping[str, Any]) -> float:
+    """A log line's timestamp (structlog ISO 8601, UTC), as seconds since the epoch."""
+    stamp = str(entry["timestamp"]).replace("Z", "+00:00")
+    return datetime.fromisoformat(stamp).timestamp()
+
+
+def wait_for_event(
+    process: DaemonProcess,
+    event: str,
+    *,
+    after: float = 0.0,
+    timeout: float = 30.0,
+    where: Callable[[Mapping[str, Any]], bool] = lambda entry: True,
+    **fields: Any,
+) -> dict[str, Any]:
+    """The first log line `event` with `fields`, logged at or after epoch time `after`.
+
+    ``DaemonProcess.wait_for_log`` returns the first match ever; failover tests need
+    "the next one since X".
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        exited = process.poll() is not None
+        for entry in process.log_events():
+            if (
+                entry.get("event") == event
+                and all(entry.get(key) == value for key, value in fields.items())
+                and event_time(entry) >= after
+                and where(entry)
+            ):
+                return entry
+        if exited or time.monotonic() >= deadline:
+            tail = "\n".join(process.output().splitlines()[-40:])
+            state = "exited" if exited else "still running"
+            raise AssertionError(
+                f"{process.name} ({state}): no {event!r} {fields} after "
+                f"{_stamp(after)} within {timeout}s\n--- output tail ---\n{tail}"
+            )
+        time.sleep(0.02)
+
+
+def first_leader(
+    processes: Iterable[DaemonProcess], loop: str = "plugin", timeout: float = 30.0
+) -> DaemonProcess:
+    """The process that logged ``leader.acquired`` for `loop` first (waits for one)."""
+    candidates = list(processes)
+    deadline = time.monotonic() + timeout
+    while True:
+        acquired = []
+        for process in candidates:
+            for entry in process.log_events():
+                if entry.get("event") == "leader.acquired" and entry.get("loop") == loop:
+                    acquired.append((event_time(entry), process))
+                    break
+        if acquired:
+            return min(acquired, key=lambda pair: pair[0])[1]
+        dead = [p for p in candidates if p.poll() is not None]
+        if dead or time.monotonic() >= deadline:
+            reports = "\n".join(
+                f"--- {p.name} ---\n" + "\n".join(p.output().splitlines()[-15:]) for p in candidates
+            )
+            raise AssertionError(f"no leader for {loop} within {timeout}s\n{reports}")
+        time.sleep(0.02)

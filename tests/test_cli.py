@@ -1,0 +1,240 @@
+"""The command line as users meet it: exit codes, one-line errors, no leaked secrets."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from rig.processes import Daemons, run_cli
+
+BAD_VALUES = [
+    ({"SCHEDULER_PUBLISH__INTERVAL": "-1"}, "publish.interval"),
+    ({"SCHEDULER_PUBLISH__BATCH_SIZE": "many"}, "publish.batch_size"),
+    ({"SCHEDULER_DATABASE_URL": "redis://localhost/0"}, "database_url"),
+    ({"SCHEDULER_LOCK__MODE": "sometimes"}, "lock.mode"),
+    ({"SCHEDULER_LOCK__HEARTBEAT_INTERVAL": "30s"}, "lock"),
+    ({"SCHEDULER_PUBLISH__PUBLISHERS": "notify"}, "publish"),
+]
+
+
+@pytest.mark.parametrize("command", [["check-config"], ["run"], ["migrate"]])
+@pytest.mark.parametrize(("env", "key"), BAD_VALUES)
+def test_invalid_config_exits_78_naming_the_key(
+    tmp_path: Path, command: list[str], env: dict[str, str], key: str
+) -> None:
+    result = run_cli(command, env, cwd=tmp_path)
+    assert result.returncode == 78, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert key in lines[0]
+    assert not (tmp_path / "scheduler.db").exists(), "nothing may happen on bad config"
+
+
+@pytest.mark.parametrize(
+    ("toml", "key"),
+    [
+        ("[publish\ninterval = 1\n", "invalid TOML"),
+        ("[publish]\nintreval = 1\n", "publish.intreval: unknown key"),
+        ("[[plugin.tasks]]\nname = 'x'\nevery = '1s'\ntarget = 'no.such.module:f'\n", "'x'"),
+    ],
+)
+def test_invalid_config_file_exits_78(tmp_path: Path, toml: str, key: str) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(toml)
+    result = run_cli(["check-config", "--config", str(config)], cwd=tmp_path)
+    assert result.returncode == 78
+    assert key in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_check_config_prints_the_effective_config_without_secrets(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('[publish]\ninterval = "2s"\n[http]\nport = 9999\n')
+    env = {
+        "SCHEDULER_DATABASE_URL": "postgresql://app:hunter2@db.internal:5432/app",
+        "SCHEDULER_HTTP__PORT": "9100",
+        "SCHEDULER_PUBLISH__PUBLISHERS": '["webhook"]',
+        "SCHEDULER_PUBLISH__WEBHOOK__URL": "https://example.invalid/hook",
+        "SCHEDULER_PUBLISH__WEBHOOK__SECRET": "s3cr3t-hmac",
+    }
+    result = run_cli(["check-config", "--config", str(config)], env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "hunter2" not in result.stdout
+    assert "s3cr3t-hmac" not in result.stdout
+    shown = json.loads(result.stdout)
+    assert shown["database_url"] == "postgresql://app:***@db.internal:5432/app"
+    assert shown["publish"]["interval"] == 2.0  # from the file
+    assert shown["http"]["port"] == 9100  # env beats file
+    names = [task["name"] for task in shown["plugin"]["effective_tasks"]]
+    assert "purge_publications" in names
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_unreachable_database_retries_then_exits_69(daemons: Daemons) -> None:
+    url = f"postgresql://app:hunter2@127.0.0.1:{_closed_port()}/app"
+    started = time.monotonic()
+    process = daemons.start(
+        {"SCHEDULER_DATABASE_URL": url, "SCHEDULER_DATABASE__STARTUP_BUDGET": "3s"}
+    )
+    assert process.wait(timeout=30) == 69
+    elapsed = time.monotonic() - started
+    assert 3 <= elapsed < 25, elapsed
+    retries = [e for e in process.log_events() if e.get("event") == "db.connect_failed"]
+    assert len(retries) >= 3, "it must retry with backoff before giving up"
+    delays = [e["retry_in"] for e in retries]
+    assert max(delays[:3]) < max(delays), f"backoff should grow: {delays}"
+    output = process.output()
+    assert "hunter2" not in output
+    assert "app:***@" in output
+    assert "database.startup_budget" in output.strip().splitlines()[-1]
+
+
+def test_sigterm_during_startup_retries_exits_promptly(daemons: Daemons) -> None:
+    url = f"postgresql://app@127.0.0.1:{_closed_port()}/app"
+    process = daemons.start({"SCHEDULER_DATABASE_URL": url})
+    process.wait_for_log("db.connect_failed")
+    process.signal(signal.SIGTERM)
+    assert process.wait(timeout=10) == 0
+
+
+def test_run_ticks_on_sqlite_default_and_sigterm_exits_0(daemons: Daemons) -> None:
+    """`make run`: no configuration at all, the SQLite file in the working directory."""
+    process = daemons.start({"SCHEDULER_PLUGIN__INTERVAL": "0.2", "SCHEDULER_LOG__LEVEL": "debug"})
+    process.wait_for_log("daemon.started")
+    process.wait_for_log("tick.done", loop="plugin")
+    process.wait_for_log("leader.acquired", loop="publish")
+    assert (process.directory / "scheduler.db").exists()
+    started = time.monotonic()
+    process.signal(signal.SIGTERM)
+    assert process.wait(timeout=15) == 0
+    assert time.monotonic() - started < 10
+    events = [e["event"] for e in process.log_events()]
+    assert events.index("daemon.stopping") < events.index("daemon.stopped")
+    assert all(e.get("instance") for e in process.log_events()), "every line names the instance"
+
+
+def test_sigterm_cancels_a_tick_past_the_shutdown_timeout(daemons: Daemons) -> None:
+    # A query that never ends, on the leader's connection.
+    task = {"name": "stuck", "every": "1s", "timeout": "1h",
+            "sql": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) "
+                   "SELECT count(*) FROM c"}  # fmt: skip
+    process = daemons.start(
+        {
+            "SCHEDULER_PLUGIN__TASKS": json.dumps([task]),
+            "SCHEDULER_SHUTDOWN_TIMEOUT": "1s",
+            "SCHEDULER_PUBLISH__ENABLED": "false",
+        }
+    )
+    process.wait_for_log("task.started", task="stuck")
+    started = time.monotonic()
+    process.signal(signal.SIGTERM)
+    assert process.wait(timeout=20) == 0
+    assert time.monotonic() - started < 15
+
+
+def test_second_signal_forces_exit(daemons: Daemons) -> None:
+    task = {"name": "stuck", "every": "1s", "timeout": "1h",
+            "sql": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) "
+                   "SELECT count(*) FROM c"}  # fmt: skip
+    process = daemons.start(
+        {"SCHEDULER_PLUGIN__TASKS": json.dumps([task]), "SCHEDULER_PUBLISH__ENABLED": "false"}
+    )
+    process.wait_for_log("task.started", task="stuck")
+    process.signal(signal.SIGTERM)
+    process.wait_for_log("daemon.stopping")
+    process.signal(signal.SIGINT)
+    assert process.wait(timeout=20) == 130
+
+
+def test_schedule_cancel_status_round_trip(tmp_path: Path, sqlite_url: str) -> None:
+    env = {"SCHEDULER_DATABASE_URL": sqlite_url}
+    first = run_cli(["schedule", "--at", "+1h", "--payload", '{"post": 1}', "--key", "p1"], env)
+    assert first.returncode == 0, first.stderr
+    again = run_cli(["schedule", "--at", "+2h", "--key", "p1"], env)
+    assert again.returncode == 0
+    assert again.stdout == first.stdout
+    assert "already scheduled" in again.stderr
+    publication_id = first.stdout.strip()
+
+    status = run_cli(["status", "--json"], env)
+    assert json.loads(status.stdout)["publications"]["scheduled"] == 1
+
+    cancelled = run_cli(["cancel", publication_id], env)
+    assert cancelled.returncode == 0
+    assert json.loads(cancelled.stdout)["status"] == "cancelled"
+    twice = run_cli(["cancel", publication_id], env)
+    assert twice.returncode == 65
+    assert "cancelled, not scheduled" in twice.stderr
+    unknown = run_cli(["cancel", "99999"], env)
+    assert unknown.returncode == 65
+    assert "no publication with id 99999" in unknown.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--at", "2030-01-01T00:00:00"], "give a timezone"),
+        (["--at", "tomorrow"], "not an ISO 8601 time"),
+        (["--at", "+1h", "--payload", "{not json"], "not valid JSON"),
+    ],
+)
+def test_schedule_rejects_bad_input(sqlite_url: str, args: list[str], message: str) -> None:
+    result = run_cli(["schedule", *args], {"SCHEDULER_DATABASE_URL": sqlite_url})
+    assert result.returncode == 65
+    assert message in result.stderr
+
+
+@pytest.mark.postgres
+def test_ten_concurrent_migrations_apply_each_once(daemons: Daemons, pg_empty_url: str) -> None:
+    processes = [
+        daemons.start({"SCHEDULER_DATABASE_URL": pg_empty_url}, args=["migrate"]) for _ in range(10)
+    ]
+    outputs = []
+    for process in processes:
+        assert process.wait(timeout=60) == 0, process.output()
+        outputs.append((process.directory / "stdout.log").read_text())
+    applied = [line for line in outputs if "nothing to apply" not in line]
+    assert len(applied) == 1, f"exactly one process applies the migrations: {outputs}"
+
+    import asyncio
+
+    import asyncpg
+
+    async def versions() -> list[int]:
+        conn = await asyncpg.connect(pg_empty_url)
+        try:
+            rows = await conn.fetch("SELECT version FROM scheduler_schema_version ORDER BY 1")
+        finally:
+            await conn.close()
+        return [row["version"] for row in rows]
+
+    from scheduler_daemon.db.sqlfiles import migrations
+
+    assert asyncio.run(versions()) == [m.version for m in migrations("postgres")]
+
+
+def test_ten_concurrent_migrations_on_sqlite(daemons: Daemons, sqlite_empty_url: str) -> None:
+    processes = [
+        daemons.start({"SCHEDULER_DATABASE_URL": sqlite_empty_url}, args=["migrate"])
+        for _ in range(10)
+    ]
+    outputs = []
+    for process in processes:
+        assert process.wait(timeout=60) == 0, process.output()
+        outputs.append((process.directory / "stdout.log").read_text())
+    assert sum("nothing to apply" not in line for line in outputs) == 1, outputs
+
+
+def test_version(tmp_path: Path) -> None:
+    result = run_cli(["--version"], cwd=tmp_path)
+    assert result.returncode == 0
+    assert "scheduler-daemon" in result.stdout

@@ -1,0 +1,294 @@
+"""The publish loop with real daemon processes, on both backends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from aiohttp import web
+from rig.processes import DaemonProcess, Daemons, run_cli
+from rig.sql import afetch, fetch, scalar
+
+from scheduler_daemon.publishers.webhook import verify
+
+
+def start(daemons: Daemons, url: str, **env: str) -> DaemonProcess:
+    base = {
+        "SCHEDULER_DATABASE_URL": url,
+        "SCHEDULER_PUBLISH__INTERVAL": "0.2",
+        "SCHEDULER_LOCK__HEARTBEAT_INTERVAL": "0.5",
+    }
+    process = daemons.start(base | env, args=["run", "--only", "publish"])
+    process.wait_for_log("leader.acquired", loop="publish")
+    return process
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def schedule(url: str, at: str, payload: dict[str, Any] | None = None, key: str = "") -> int:
+    args = ["schedule", "--at", at, "--payload", json.dumps(payload or {})]
+    result = run_cli([*args, "--key", key] if key else args, {"SCHEDULER_DATABASE_URL": url})
+    assert result.returncode == 0, result.stderr
+    return int(result.stdout)
+
+
+def statuses(url: str) -> dict[int, str]:
+    return {
+        r["id"]: r["status"] for r in fetch(url, "SELECT id, status FROM scheduler_publications")
+    }
+
+
+def test_due_rows_publish_once_future_wait_cancelled_never(
+    daemons: Daemons, database_url: str
+) -> None:
+    due = schedule(database_url, "+0s", {"n": 1})
+    soon = schedule(database_url, "+2s", {"n": 2})
+    later = schedule(database_url, "+1h", {"n": 3})
+    cancelled = schedule(database_url, "+1s", {"n": 4})
+    assert (
+        run_cli(["cancel", str(cancelled)], {"SCHEDULER_DATABASE_URL": database_url}).returncode
+        == 0
+    )
+    offset = (datetime.now(UTC) + timedelta(seconds=1)).astimezone(
+        datetime.now().astimezone().tzinfo
+    )  # a local-offset time: the instant is what counts
+    raw_sql_at = offset.isoformat()
+    fetch(
+        database_url,
+        "INSERT INTO scheduler_publications (key, payload, publish_at) VALUES ($1, '{}', $2)",
+        "raw",
+        raw_sql_at if database_url.startswith("sqlite") else offset,
+    )
+    start(daemons, database_url)
+    wait_until(lambda: statuses(database_url)[soon] == "published", what="the +2s row")
+    wait_until(
+        lambda: (
+            scalar(database_url, "SELECT status FROM scheduler_publications WHERE key = 'raw'")
+            == "published"
+        ),
+        what="the row inserted with plain SQL",
+    )
+    time.sleep(1.5)
+    final = statuses(database_url)
+    assert final[due] == "published"
+    assert final[later] == "scheduled"
+    assert final[cancelled] == "cancelled"
+    rows = fetch(
+        database_url,
+        "SELECT id, attempts, published_by, published_at, publish_at FROM scheduler_publications "
+        "WHERE status = 'published'",
+    )
+    assert all(row["attempts"] == 1 for row in rows), "published exactly once"
+    assert all(row["published_by"] for row in rows)
+
+
+@pytest.mark.postgres
+def test_offset_times_are_honoured(daemons: Daemons, pg_url: str) -> None:
+    """A +02:00 time two seconds ahead publishes in two seconds, not in two hours."""
+    at = (datetime.now(UTC) + timedelta(seconds=2)).astimezone(
+        __import__("datetime").timezone(timedelta(hours=2))
+    )
+    publication = schedule(pg_url, at.isoformat())
+    start(daemons, pg_url)
+    wait_until(lambda: statuses(pg_url)[publication] == "published", timeout=20)
+    row = fetch(pg_url, "SELECT publish_at, published_at FROM scheduler_publications")[0]
+    assert row["published_at"] >= row["publish_at"]
+    assert (row["published_at"] - row["publish_at"]).total_seconds() < 5
+
+
+def audit_setup(url: str) -> None:
+    fetch(
+        url,
+        "CREATE TABLE audit (publication_id bigint NOT NULL, post text, "
+        "ok boolean NOT NULL CHECK (ok))",
+    )
+
+
+def sql_publisher_env(url: str) -> dict[str, str]:
+    if url.startswith("sqlite"):
+        return {
+            "SCHEDULER_PUBLISH__PUBLISHERS": '["sql"]',
+            "SCHEDULER_PUBLISH__SQL__STATEMENT": "INSERT INTO audit VALUES (?1, ?2, ?3)",
+            "SCHEDULER_PUBLISH__SQL__PARAMS": '["id", "$.post", "$.ok"]',
+            "SCHEDULER_PUBLISH__SQL__MODE": "row",
+        }
+    return {
+        "SCHEDULER_PUBLISH__PUBLISHERS": '["sql"]',
+        "SCHEDULER_PUBLISH__SQL__STATEMENT": (
+            "INSERT INTO audit SELECT * FROM unnest($1::bigint[], $2::text[], $3::boolean[])"
+        ),
+        "SCHEDULER_PUBLISH__SQL__PARAMS": '["id", "$.post", "$.ok"]',
+    }
+
+
+def test_failing_sql_publisher_fails_exactly_the_offending_rows(
+    daemons: Daemons, database_url: str
+) -> None:
+    audit_setup(database_url)
+    bad = {7, 500, 993}
+    values = ", ".join(
+        f"('{json.dumps({'post': f'p{i}', 'ok': i not in bad})}', "
+        + (
+            "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')"
+            if database_url.startswith("sqlite")
+            else "now()"
+        )
+        + ")"
+        for i in range(1000)
+    )
+    fetch(database_url, f"INSERT INTO scheduler_publications (payload, publish_at) VALUES {values}")
+    start(daemons, database_url, **sql_publisher_env(database_url))
+    wait_until(
+        lambda: scalar(
+            database_url, "SELECT count(*) FROM scheduler_publications WHERE status = 'scheduled'"
+        ) == 0,
+        what="every row handled",
+    )  # fmt: skip
+    failed = fetch(
+        database_url,
+        "SELECT payload, last_error FROM scheduler_publications WHERE status = 'failed'",
+    )
+    posts = sorted(
+        (json.loads(r["payload"]) if isinstance(r["payload"], str) else r["payload"])["post"]
+        for r in failed
+    )
+    assert posts == sorted(f"p{i}" for i in bad)
+    assert all("audit" in row["last_error"] or "CHECK" in row["last_error"] for row in failed)
+    assert scalar(database_url, "SELECT count(*) FROM audit") == 997
+    assert scalar(database_url, "SELECT count(DISTINCT publication_id) FROM audit") == 997
+
+
+@pytest.mark.postgres
+async def test_notify_publisher_delivers_once_per_commit(daemons: Daemons, pg_url: str) -> None:
+    import asyncpg
+
+    received: list[dict[str, Any]] = []
+    listener = await asyncpg.connect(pg_url)
+    try:
+        await listener.add_listener(
+            "scheduler_published", lambda *args: received.append(json.loads(args[3]))
+        )
+        ids = [
+            row["id"]
+            for row in await afetch(
+                pg_url,
+                "INSERT INTO scheduler_publications (key, payload, publish_at) "
+                "SELECT 'k' || g, '{}', now() + g * interval '10 ms' "
+                "FROM generate_series(1, 50) g RETURNING id",
+            )
+        ]
+        await asyncio.to_thread(start, daemons, pg_url, SCHEDULER_PUBLISH__PUBLISHERS='["notify"]')
+        deadline = time.monotonic() + 20
+        while len(received) < 50 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
+    finally:
+        await listener.close()
+    assert sorted(message["id"] for message in received) == sorted(ids)
+    assert {message["key"] for message in received} == {f"k{g}" for g in range(1, 51)}
+
+
+async def test_webhook_retries_then_delivers_and_dead_endpoint_fails(
+    daemons: Daemons, database_url: str
+) -> None:
+    secret = b"hmac-secret"
+    calls: dict[str, list[dict[str, Any]]] = {"flaky": [], "dead": []}
+
+    async def flaky(request: web.Request) -> web.Response:
+        body = await request.read()
+        calls["flaky"].append({"headers": dict(request.headers), "body": body})
+        if len(calls["flaky"]) <= 2:
+            return web.Response(status=503)
+        assert verify(secret, body, request.headers["X-Scheduler-Signature"])
+        return web.Response(status=204)
+
+    async def dead(request: web.Request) -> web.Response:
+        calls["dead"].append({"headers": dict(request.headers), "body": await request.read()})
+        return web.Response(status=500)
+
+    app = web.Application()
+    app.router.add_post("/flaky", flaky)
+    app.router.add_post("/dead", dead)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        for endpoint in ("flaky", "dead"):
+            url = database_url
+            if endpoint == "dead":  # a second database of the same backend is overkill:
+                await afetch(url, "DELETE FROM scheduler_publications")  # reuse, one at a time
+            publication = (
+                await afetch(
+                    url,
+                    "INSERT INTO scheduler_publications (key, payload, publish_at) "
+                    "VALUES ($1, '{\"a\": 1}', "
+                    + ("strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))" if url.startswith("sqlite")
+                       else "now())")
+                    + " RETURNING id",
+                    f"hook-{endpoint}",
+                )
+            )[0]["id"]  # fmt: skip
+            env = {
+                "SCHEDULER_PUBLISH__PUBLISHERS": '["webhook"]',
+                "SCHEDULER_PUBLISH__WEBHOOK__URL": f"http://127.0.0.1:{port}/{endpoint}",
+                "SCHEDULER_PUBLISH__WEBHOOK__SECRET": secret.decode(),
+                "SCHEDULER_PUBLISH__WEBHOOK__BACKOFF": "0.2s",
+                "SCHEDULER_PUBLISH__WEBHOOK__MAX_ATTEMPTS": "3",
+            }
+            process = await asyncio.to_thread(start, daemons, url, **env)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                rows = await afetch(
+                    url,
+                    "SELECT status, attempts, last_error FROM scheduler_webhook_outbox "
+                    "WHERE publication_id = $1",
+                    publication,
+                )
+                if rows and rows[0]["status"] != "pending":
+                    break
+                await asyncio.sleep(0.1)
+            process.signal(15)
+            await asyncio.to_thread(process.wait, 15)
+            outbox = rows[0]
+            state = (
+                await afetch(
+                    url, "SELECT status, last_error FROM scheduler_publications WHERE id = $1",
+                    publication,
+                )
+            )[0]  # fmt: skip
+            if endpoint == "flaky":
+                assert outbox["status"] == "delivered"
+                assert outbox["attempts"] == 3
+                assert state["status"] == "published"
+                headers = calls["flaky"][-1]["headers"]
+                assert headers["Idempotency-Key"] == str(publication)
+                assert [c["headers"]["X-Scheduler-Attempt"] for c in calls["flaky"]] == [
+                    "1",
+                    "2",
+                    "3",
+                ]
+                body = json.loads(calls["flaky"][-1]["body"])
+                assert body["id"] == publication
+                assert body["payload"] == {"a": 1}
+            else:
+                assert outbox["status"] == "failed"
+                assert outbox["attempts"] == 3
+                assert "HTTP 500" in outbox["last_error"]
+                assert state["status"] == "failed"
+                assert "webhook: HTTP 500" in state["last_error"]
+                assert len(calls["dead"]) == 3
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,137 @@
+"""Exactly-once publication under fire: real replicas, SIGKILL and SIGSTOP of the leader.
+
+The proof is not the final status alone: an append-only audit table is filled by the
+`sql` publisher inside each publishing transaction, so a row published twice (or by a
+deposed leader whose transaction still committed) would appear twice.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from rig.processes import DaemonProcess, Daemons
+from rig.sql import fetch, scalar
+
+FAST_FAILOVER = {
+    "SCHEDULER_LOCK__HEARTBEAT_INTERVAL": "0.5",
+    "SCHEDULER_LOCK__STALL_TIMEOUT": "3",
+    "SCHEDULER_LOCK__KEEPALIVE_IDLE": "2",
+    "SCHEDULER_LOCK__KEEPALIVE_INTERVAL": "1",
+    "SCHEDULER_LOCK__KEEPALIVE_COUNT": "2",
+    "SCHEDULER_LOCK__TCP_USER_TIMEOUT": "3",
+    "SCHEDULER_LOCK__STANDBY_RECHECK": "2",
+}
+
+
+def leader_of(url: str, replicas: dict[str, DaemonProcess]) -> DaemonProcess | None:
+    rows = fetch(
+        url,
+        "SELECT s.instance FROM scheduler_leaders s JOIN pg_locks l ON l.pid = s.backend_pid "
+        "WHERE s.loop = 'publish' AND l.locktype = 'advisory' AND l.granted",
+    )
+    if not rows:
+        return None
+    process = replicas.get(rows[0]["instance"])
+    return process if process is not None and process.poll() is None else None
+
+
+def wait_for_new_leader(
+    url: str, replicas: dict[str, DaemonProcess], old: DaemonProcess, timeout: float = 30
+) -> DaemonProcess:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        leader = leader_of(url, replicas)
+        if leader is not None and leader is not old:
+            return leader
+        time.sleep(0.05)
+    raise AssertionError("no new leader")
+
+
+@pytest.mark.postgres
+def test_5000_publications_exactly_once_through_kills_and_a_stall(
+    daemons: Daemons, pg_url: str
+) -> None:
+    fetch(pg_url, "CREATE TABLE audit (publication_id bigint NOT NULL, at timestamptz "
+                  "NOT NULL DEFAULT clock_timestamp(), by text)")  # fmt: skip
+    # 5,000 rows due over the next ~20 s.
+    fetch(
+        pg_url,
+        "INSERT INTO scheduler_publications (key, payload, publish_at) "
+        "SELECT 'c' || g, jsonb_build_object('n', g), now() + interval '3 s' + g * interval '4 ms' "
+        "FROM generate_series(1, 5000) g",
+    )
+    env = FAST_FAILOVER | {
+        "SCHEDULER_DATABASE_URL": pg_url,
+        "SCHEDULER_PUBLISH__INTERVAL": "0.5",
+        "SCHEDULER_PUBLISH__BATCH_SIZE": "200",
+        "SCHEDULER_PUBLISH__PUBLISHERS": '["sql"]',
+        "SCHEDULER_PUBLISH__SQL__STATEMENT": (
+            "INSERT INTO audit (publication_id, by) "
+            "SELECT unnest($1::bigint[]), current_setting('application_name')"
+        ),
+    }
+    replicas: dict[str, DaemonProcess] = {}
+
+    def launch(name: str) -> None:
+        replicas[name] = daemons.start(
+            env | {"SCHEDULER_INSTANCE_ID": name}, args=["run", "--only", "publish"], name=name
+        )
+
+    for name in ("r1", "r2", "r3"):
+        launch(name)
+    for process in replicas.values():
+        process.wait_for_log("loop.started", loop="publish")
+
+    deadline = time.monotonic() + 30
+    while leader_of(pg_url, replicas) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    spare = iter(("r4", "r5", "r6"))
+    events: list[str] = []
+
+    def published() -> int:
+        return int(scalar(pg_url, "SELECT count(*) FROM audit"))
+
+    for action, at_count in (("kill", 600), ("stop", 2000), ("kill", 3500)):
+        while published() < at_count:
+            time.sleep(0.05)
+        leader = leader_of(pg_url, replicas)
+        assert leader is not None
+        if action == "kill":
+            leader.signal(signal.SIGKILL)
+            wait_for_new_leader(pg_url, replicas, leader)
+            launch(next(spare))  # keep two standbys
+        else:
+            leader.signal(signal.SIGSTOP)
+            wait_for_new_leader(pg_url, replicas, leader)
+            time.sleep(1.0)  # the new leader publishes while the old one is frozen
+            leader.signal(signal.SIGCONT)
+            leader.wait_for_log("leader.lost", timeout=15)
+        events.append(f"{action} {leader.name} at {published()}")
+
+    deadline = time.monotonic() + 60
+    while scalar(pg_url, "SELECT count(*) FROM scheduler_publications WHERE status = 'scheduled'"):
+        assert time.monotonic() < deadline, f"rows stuck in scheduled after {events}"
+        time.sleep(0.1)
+
+    duplicates = fetch(
+        pg_url,
+        "SELECT publication_id, count(*) FROM audit GROUP BY 1 HAVING count(*) > 1 LIMIT 5",
+    )
+    assert duplicates == [], f"published twice: {duplicates} ({events})"
+    assert scalar(pg_url, "SELECT count(*) FROM audit") == 5000
+    assert (
+        scalar(pg_url, "SELECT count(*) FROM scheduler_publications WHERE status = 'published'")
+        == 5000
+    )
+    assert (
+        scalar(
+            pg_url,
+            "SELECT count(*) FROM scheduler_publications p JOIN audit a ON a.publication_id = p.id",
+        )
+        == 5000
+    )
+    publishers = {row["by"] for row in fetch(pg_url, "SELECT DISTINCT by FROM audit")}
+    assert len(publishers) >= 3, f"leadership must have moved: {publishers}"
+    print(f"exactly once through: {events}; published by {sorted(publishers)}")

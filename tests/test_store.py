@@ -1,0 +1,89 @@
+"""The store contract and the scheduling API, on both backends."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
+
+from scheduler_daemon.client import Client
+from scheduler_daemon.config import Settings
+from scheduler_daemon.db.sqlfiles import queries
+from scheduler_daemon.errors import InvalidInput, NotFound
+
+
+@pytest.fixture
+async def client(database_url: str) -> AsyncIterator[Client]:
+    settings = Settings(database_url=database_url, publish={"max_payload_bytes": 1000})
+    async with Client.connect(settings) as connected:
+        yield connected
+
+
+def test_both_backends_define_the_same_queries() -> None:
+    # Only PostgreSQL has a lock manager to ask (pg_locks) and LISTEN/NOTIFY.
+    postgres_only = {"leader_touch", "evict_stalled", "lock_sessions", "notify_published"}
+    assert set(queries("postgres")) - postgres_only == set(queries("sqlite"))
+
+
+async def test_schedule_get_and_timezone(client: Client) -> None:
+    at = datetime(2031, 5, 1, 12, 0, tzinfo=timezone(timedelta(hours=2)))
+    result = await client.schedule(at, {"post": 7, "title": "héllo"})
+    assert result.created
+    got = await client.get(result.publication.id)
+    assert got is not None
+    assert got.publish_at == at  # the same instant
+    assert got.publish_at.astimezone(UTC).hour == 10
+    assert got.payload == {"post": 7, "title": "héllo"}
+    assert got.status == "scheduled"
+    assert got.attempts == 0
+
+
+async def test_idempotent_key(client: Client) -> None:
+    at = datetime.now(UTC) + timedelta(hours=1)
+    first = await client.schedule(at, {"n": 1}, key="post-1")
+    second = await client.schedule(at + timedelta(hours=5), {"n": 2}, key="post-1")
+    assert first.created
+    assert not second.created
+    assert second.publication == first.publication
+    stats = await client.store.publication_stats()
+    assert stats.scheduled == 1
+
+
+async def test_cancel(client: Client) -> None:
+    result = await client.schedule(datetime.now(UTC) + timedelta(hours=1), {})
+    cancelled = await client.cancel(result.publication.id)
+    assert cancelled.status == "cancelled"
+    with pytest.raises(InvalidInput, match="is cancelled, not scheduled"):
+        await client.cancel(result.publication.id)
+    with pytest.raises(NotFound):
+        await client.cancel(424242)
+
+
+@pytest.mark.parametrize(
+    ("at", "payload", "key", "message"),
+    [
+        (datetime(2031, 1, 1), {}, None, "timezone-aware"),
+        (datetime(2031, 1, 1, tzinfo=UTC), {"x": "y" * 2000}, None, "over the limit"),
+        (datetime(2031, 1, 1, tzinfo=UTC), {"x": {1, 2}}, None, "not JSON"),
+        (datetime(2031, 1, 1, tzinfo=UTC), {"x": float("nan")}, None, "not JSON"),
+        (datetime(2031, 1, 1, tzinfo=UTC), {}, "  ", "key must not be empty"),
+    ],
+)
+async def test_bad_input_changes_nothing(
+    client: Client, at: datetime, payload: object, key: str | None, message: str
+) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        await client.schedule(at, payload, key=key)
+    assert (await client.store.publication_stats()).scheduled == 0
+
+
+async def test_stats_use_the_database_clock(client: Client) -> None:
+    now = datetime.now(UTC)
+    await client.schedule(now - timedelta(minutes=1), {})
+    await client.schedule(now + timedelta(hours=1), {})
+    stats = await client.store.publication_stats()
+    assert stats.scheduled == 2
+    assert stats.due == 1
+    assert stats.next_due is not None
+    assert abs((stats.next_due - (now - timedelta(minutes=1))).total_seconds()) < 0.01
