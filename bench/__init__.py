@@ -1,0 +1,1 @@
+"""Benchmarks (``make bench``); results are written under bench/results/."""

@@ -1,0 +1,3 @@
+from bench.publish import main
+
+main()
