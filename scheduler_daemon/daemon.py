@@ -23,6 +23,7 @@ from . import db
 from .config import Settings
 from .db.connect import connect
 from .errors import EXIT_OK, ConfigError
+from .http import HttpServer
 from .leadership import make_guard
 from .leadership.pooler import detect_transaction_pooler
 from .leadership.watchdog import StallWatchdog
@@ -33,6 +34,8 @@ from .loops.publish import PublishWork
 from .metrics import Metrics
 from .plugins.builtin import builtin_tasks
 from .plugins.tasks import TaskSpec, load_tasks
+from .publishers import Publisher, build_publishers
+from .sdnotify import Notifier
 
 LoopName = Literal["publish", "plugin"]
 EXIT_SOFTWARE = 70  # EX_SOFTWARE: a loop died; the supervisor should restart us
@@ -51,6 +54,9 @@ class Daemon:
         self.forced = False
         self.metrics = Metrics()
         self._tasks: list[TaskSpec] = []
+        self._publishers: list[Publisher] = []
+        self.notifier = Notifier.from_environ(log)
+        self.http: HttpServer | None = None  # set once serving; tests read its port
         self._main: asyncio.Task[Any] | None = None
 
     def request_stop(self, reason: str) -> None:
@@ -75,7 +81,8 @@ class Daemon:
 
     def _build(self, name: LoopName, store: db.Store) -> tuple[LoopWork, float]:
         if name == "publish":
-            return PublishWork(store), self.settings.publish.interval
+            publish = PublishWork(store, self.settings, self._publishers, self.metrics, self.log)
+            return publish, self.settings.publish.interval
         tasks = self._tasks
         sticky = store.backend == "sqlite" or self.settings.lock.mode == "session"
         work = PluginWork(tasks, self.settings, self.metrics, sticky=sticky)
@@ -94,7 +101,12 @@ class Daemon:
     async def _run(self) -> int:
         # Task declarations are config: validate them (exit 78) before touching the database.
         self._tasks = load_tasks(self.settings, builtin_tasks(self.settings))
+        self._publishers = build_publishers(self.settings, self.settings.database_url.backend)
         async with AsyncExitStack() as stack:
+            # First in, last out: the watchdog pings from startup (connecting may take
+            # longer than WatchdogSec) until the very end of the shutdown.
+            await stack.enter_async_context(self.notifier)
+            self.notifier.status("connecting to the database")
             store = await self._until_stopped(connect(self.settings, self.log))
             if store is None:
                 return EXIT_OK
@@ -106,11 +118,14 @@ class Daemon:
                 applied=[m.version for m in applied],
                 version=await store.schema_version(),
             )
+            self.metrics.database_up.set(1)
+            await self._serve_http(stack, store)
 
             await self._refuse_unsafe_lock_mode(store)
 
             runners = {}
             for name in self.enabled_loops():
+                self.metrics.prime_loop(name)
                 work, interval = self._build(name, store)
                 guard = make_guard(
                     name,
@@ -124,6 +139,8 @@ class Daemon:
                 runners[name] = LoopRunner(
                     work, guard, interval, self.stopping, self.log, self.metrics
                 )
+                if isinstance(work, PublishWork):  # new rows due sooner wake the runner
+                    work.wake = runners[name].wake
             tasks: dict[str, asyncio.Task[None]] = {
                 name: asyncio.create_task(runner.run(), name=f"loop:{name}")
                 for name, runner in runners.items()
@@ -132,12 +149,41 @@ class Daemon:
             if watchdog is not None:
                 tasks["watchdog"] = asyncio.create_task(watchdog.run(), name="loop:watchdog")
             stack.push_async_callback(self._stop_tasks, tasks)
+            # Unwound before _stop_tasks: systemd hears STOPPING=1 as the stop begins.
+            stack.callback(self.notifier.stopping)
             await asyncio.gather(*(runner.started.wait() for runner in runners.values()))
             self.started.set()
+            self.notifier.ready(self._status_line(list(runners)))
+            self.notifier.watch_status(lambda: self._status_line(list(runners)), every=1.0)
             self.log.info(
                 "daemon.started", loops=list(runners), database=str(self.settings.database_url)
             )
             return await self._monitor(tasks)
+
+    async def _serve_http(self, stack: AsyncExitStack, store: db.Store) -> None:
+        if not self.settings.http.enabled:
+            return
+        http = HttpServer(self.settings, store, self.metrics, self.log, self.stopping)
+        await http.start()
+        self.http = http
+        stack.push_async_callback(http.stop)
+
+    def _status_line(self, loops: list[LoopName]) -> str:
+        """systemd's STATUS= line: which loops this replica leads, read off the gauge."""
+        if self.stopping.is_set():
+            return "stopping"
+        if not loops:
+            return "running, no loops enabled"
+        leading = [
+            name
+            for name in loops
+            if self.metrics.registry.get_sample_value("scheduler_leader", {"loop": name}) == 1
+        ]
+        if not leading:
+            return "standby"
+        waiting = [name for name in loops if name not in leading]
+        line = f"leading {', '.join(leading)}"
+        return f"{line}; standby for {', '.join(waiting)}" if waiting else line
 
     def _lock_key(self, name: LoopName) -> int:
         return (

@@ -202,7 +202,9 @@ class HttpServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         await self.probe()
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-        return web.Response(body=encoder(self.metrics.registry), headers={"Content-Type": content_type})
+        return web.Response(
+            body=encoder(self.metrics.registry), headers={"Content-Type": content_type}
+        )
 
     async def _status(self, request: web.Request) -> web.Response:
         try:

@@ -79,3 +79,16 @@ class Metrics:
             ["task"],
             registry=r,
         )
+
+    def prime_loop(self, loop: str) -> None:
+        """Create a loop's labelled series at zero before it runs.
+
+        A labelled series is absent until first touched, so a standby would export no
+        ``scheduler_leader`` at all and "sum by (loop) == 0" alerts would see nothing.
+        """
+        self.leader.labels(loop).set(0)
+        for counter in (self.lock_waits, self.heartbeat_failures, self.evictions):
+            counter.labels(loop)
+        for result in ("ok", "skipped", "failed", "cancelled"):
+            self.ticks.labels(loop, result)
+        self.tick_duration.labels(loop)
