@@ -31,6 +31,7 @@ from ..publishers.webhook import WebhookDeliverer
 from .base import Tick
 
 WAKE_CHANNEL = "scheduler_publications_due"
+LISTEN_RETRY = 30.0
 
 
 class PublishWork:
@@ -54,12 +55,15 @@ class PublishWork:
         self._listener: Any = None  # asyncpg connection with the LISTEN
         self._deliverer: WebhookDeliverer | None = None
         self._delivering: asyncio.Task[None] | None = None
+        self._listen_retry_at = 0.0
         self._planned_wake = float("inf")  # time.time() of the next planned tick
         self._db_clock_offset = 0.0  # database clock minus ours, measured each tick
 
     async def tick(self, tick: Tick) -> float | None:
         if self._lease is not tick.lease:
             await self._start_leading(tick.lease)
+        else:
+            await self._ensure_listener()
         published = 0
         while True:
             async with tick.lease.transaction() as tx:
@@ -131,20 +135,33 @@ class PublishWork:
             self._delivering = asyncio.create_task(
                 self._deliverer.run(lease), name="publish:webhooks"
             )
-        await self._listen()
+        self._listen_retry_at = 0.0
+        await self._ensure_listener()
 
-    async def _listen(self) -> None:
+    async def _ensure_listener(self) -> None:
+        """Keep a LISTEN connection while leading (PostgreSQL); reopen it if it died, at
+        most every LISTEN_RETRY seconds. Precise wake-ups are an optimisation: without
+        them the interval still bounds lateness."""
         from ..db.postgres import PostgresStore
 
         if not isinstance(self.store, PostgresStore):
             return
+        if self._listener is not None and not self._listener.is_closed():
+            return
+        if time.monotonic() < self._listen_retry_at:
+            return
         # LISTEN needs its own connection: the pool's reset runs UNLISTEN *.
+        listener = None
         try:
-            self._listener = await self.store.connect_dedicated("listen:publish")
-            await self._listener.add_listener(WAKE_CHANNEL, self._on_notification)
-        except Exception as exc:  # precise wake-ups are an optimisation; the interval holds
-            self.log.warning("publish.listen_failed", error=f"{type(exc).__name__}: {exc}")
+            listener = await self.store.connect_dedicated("listen:publish")
+            await listener.add_listener(WAKE_CHANNEL, self._on_notification)
+            self._listener = listener
+        except Exception as exc:
+            if listener is not None:
+                listener.terminate()
             self._listener = None
+            self._listen_retry_at = time.monotonic() + LISTEN_RETRY
+            self.log.warning("publish.listen_failed", error=f"{type(exc).__name__}: {exc}")
 
     def _on_notification(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
         try:
