@@ -21,7 +21,7 @@ import click
 from . import __version__
 from .client import Client
 from .config import LogSettings, Settings, load_settings, parse_duration
-from .daemon import Daemon
+from .daemon import EXIT_SOFTWARE, Daemon
 from .db import Publication
 from .db.connect import connect
 from .errors import InvalidInput, NotFound, SchedulerError
@@ -100,7 +100,15 @@ def run(config_file: Path | None, only: str | None) -> None:
             graceful=lambda sig: daemon.request_stop(sig.name),
             force=lambda sig: daemon.force_stop(sig.name),
         ):
-            return await daemon.run()
+            try:
+                return await daemon.run()
+            except SchedulerError:
+                raise
+            except Exception:
+                # A bug or a database failure during startup: one structured line with the
+                # traceback, then a non-zero exit for the supervisor to act on.
+                log.exception("daemon.crashed")
+                return EXIT_SOFTWARE
 
     sys.exit(_run(main()))
 
