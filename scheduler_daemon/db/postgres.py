@@ -81,8 +81,16 @@ class PostgresStore:
             command_timeout=db.statement_timeout + db.connect_timeout,
             server_settings=cls.server_settings(settings, purpose="pool"),
             init=_init_connection,
+            statement_cache_size=cls.statement_cache_size(settings),
         )
         return cls(settings.database_url, settings, pool)
+
+    @staticmethod
+    def statement_cache_size(settings: Settings) -> int:
+        """asyncpg's named prepared statements live in one server session; behind a
+        transaction pooler (the reason for ``transaction`` mode) the next statement may run
+        in another, so prepare unnamed statements there instead."""
+        return 0 if settings.lock.mode == "transaction" else 100
 
     @staticmethod
     def server_settings(settings: Settings, purpose: str) -> dict[str, str]:
@@ -102,6 +110,7 @@ class PostgresStore:
             self.url.postgres_dsn,
             timeout=self.settings.database.connect_timeout,
             server_settings=server_settings,
+            statement_cache_size=self.statement_cache_size(self.settings),
         )
         await _init_connection(conn)
         return conn
