@@ -8,10 +8,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint typecheck pytest chaos bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tests/sample_plugin/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e tests/sample_plugin
 	touch $(STAMP)
 
 # Debug logging by default here, so you see every tick; override with SCHEDULER_LOG__LEVEL.

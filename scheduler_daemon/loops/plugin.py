@@ -27,7 +27,7 @@ from ..leadership import Lease
 from ..logs import Logger
 from ..metrics import Metrics
 from ..plugins.context import TaskContext
-from ..plugins.schedule import plan
+from ..plugins.schedule import Plan, plan
 from ..plugins.tasks import TaskSpec
 from .base import Tick
 
@@ -73,7 +73,7 @@ class PluginWork:
                 if state is None or not state["active"] or state["paused"]:
                     continue
                 claims += await self._due_claims(tx, spec, state, now, len(claims), tick.log)
-            wake = self._next_wake(await tx.fetch("task_states"), now)
+            wake = self._next_wake(await tx.fetch("task_states"), now, len(claims))
         for claim in claims:
             self._start(claim, tick.lease, tick.log)
         return wake
@@ -131,16 +131,18 @@ class PluginWork:
     ) -> list[Claim]:
         claims: list[Claim] = []
         slots: list[datetime] = []
+        if self._capacity_left(claimed_so_far) <= 0:
+            return claims  # stays due (and triggered); picked up when a place frees
         triggered = state["trigger_requested_at"]
         if triggered is not None and await tx.fetch("trigger_consume", spec.name, triggered):
             slots.append(triggered)  # a manual run is a slot like any other
         next_run_at: datetime = state["next_run_at"]
-        if next_run_at <= now:
-            if self._capacity_left(claimed_so_far + len(slots)) <= 0:
-                return claims  # stays due; picked up when a place frees
+        step: Plan | None = None  # not due, or no place: stays due until a place frees
+        if next_run_at <= now and self._capacity_left(claimed_so_far + len(slots)) > 0:
             step = plan(spec.schedule, next_run_at, now, spec.misfire)
             if not await tx.fetch("task_advance", spec.name, next_run_at, step.next_run_at):
-                return claims  # someone else moved it: their decision stands
+                step = None  # someone else moved it: their decision stands
+        if step is not None:
             if step.missed:
                 log.warning(
                     "task.misfired", task=spec.name, slot=next_run_at.isoformat(),
@@ -149,16 +151,26 @@ class PluginWork:
             if step.run:
                 slots.append(next_run_at)
         for slot in slots:
-            claim = await self._claim(tx, spec, slot, now, claimed_so_far + len(claims), log)
+            # A task runs one slot at a time: a second slot claimed in this same tick (a
+            # trigger and a due slot together) would overlap the first.
+            busy = claimed_so_far + len(claims)
+            claim = await self._claim(tx, spec, slot, now, busy, log, overlaps=bool(claims))
             if claim is not None:
                 claims.append(claim)
         return claims
 
     async def _claim(
-        self, tx: Tx, spec: TaskSpec, slot: datetime, now: datetime, busy: int, log: Logger
+        self,
+        tx: Tx,
+        spec: TaskSpec,
+        slot: datetime,
+        now: datetime,
+        busy: int,
+        log: Logger,
+        overlaps: bool = False,
     ) -> Claim | None:
         instance = self.settings.instance_id
-        if await self._in_flight(tx, spec, now) or self._capacity_left(busy) <= 0:
+        if overlaps or await self._in_flight(tx, spec, now) or self._capacity_left(busy) <= 0:
             await tx.fetch("slot_claim", spec.name, slot, instance, "skipped_overlap")
             self.metrics.plugin_runs.labels(spec.name, "skipped_overlap").inc()
             log.warning("task.skipped_overlap", task=spec.name, slot=slot.isoformat())
@@ -184,13 +196,16 @@ class PluginWork:
     def _capacity_left(self, claimed: int) -> int:
         return self.settings.plugin.concurrency - len(self.running) - claimed
 
-    def _next_wake(self, states: list[dict[str, Any]], now: datetime) -> float | None:
-        upcoming = [
-            row["next_run_at"]
+    def _next_wake(self, states: list[dict[str, Any]], now: datetime, claimed: int) -> float | None:
+        live = [
+            row
             for row in states
             if row["name"] in self.tasks and row["active"] and not row["paused"]
         ]
-        if any(row["trigger_requested_at"] for row in states if row["name"] in self.tasks):
+        upcoming = [row["next_run_at"] for row in live]
+        # A trigger this tick could not take (no free place) waits for a place, not for
+        # a spinning loop; one on a paused task waits for `tasks resume`.
+        if self._capacity_left(claimed) > 0 and any(row["trigger_requested_at"] for row in live):
             return 0.0
         if not upcoming:
             return None
@@ -209,16 +224,21 @@ class PluginWork:
         run_log.info("task.started", run_id=claim.run_id)
         started = time.monotonic()
         status, error = "succeeded", None
+        deadline = asyncio.timeout(spec.timeout)
         try:
-            async with asyncio.timeout(spec.timeout):
+            async with deadline:
                 if spec.sql is not None:
                     async with lease.transaction() as tx:
                         await tx.execute(spec.sql)
                 else:
                     await spec.call(ctx)
-        except TimeoutError:
-            ctx.cancelled.set()
-            status, error = "timed_out", f"timed out after {spec.timeout:g}s"
+        except TimeoutError as exc:
+            if not deadline.expired():  # the target's own TimeoutError: a failure
+                status, error = "failed", f"{type(exc).__name__}: {exc}"
+                run_log.error("task.failed", error=error, traceback=traceback.format_exc())
+            else:
+                ctx.cancelled.set()
+                status, error = "timed_out", f"timed out after {spec.timeout:g}s"
         except asyncio.CancelledError:
             ctx.cancelled.set()
             raise

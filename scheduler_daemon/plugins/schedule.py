@@ -7,7 +7,6 @@ misfire policy: after downtime, at most one catch-up run, never a burst.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Literal
@@ -18,6 +17,14 @@ from croniter import croniter
 Misfire = Literal["run_once", "skip"]
 
 
+def check_timezone(name: str) -> None:
+    """Raise ValueError unless ``name`` is an IANA timezone this system knows."""
+    try:
+        ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ValueError(f"unknown timezone {name!r}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class Every:
     seconds: float
@@ -25,13 +32,19 @@ class Every:
     def first(self, now: datetime) -> datetime:
         return now  # a new interval task runs at once, then every `seconds`
 
+    @property
+    def step(self) -> timedelta:
+        # Slots are whole steps of microseconds (timedelta's resolution) from the first:
+        # exact integer arithmetic, so "strictly after now" never rounds onto now.
+        return max(timedelta(seconds=self.seconds), timedelta(microseconds=1))
+
     def next_after(self, slot: datetime) -> datetime:
-        return slot + timedelta(seconds=self.seconds)
+        return slot + self.step
 
     def first_after(self, slot: datetime, now: datetime) -> datetime:
         """The first slot strictly after ``now``, keeping the phase of ``slot``."""
-        periods = math.floor((now - slot).total_seconds() / self.seconds) + 1
-        return slot + timedelta(seconds=self.seconds * max(periods, 1))
+        periods = (now - slot) // self.step + 1
+        return slot + self.step * max(periods, 1)
 
     def describe(self) -> str:
         return f"every {self.seconds:g}s"
@@ -43,10 +56,7 @@ class Cron:
     timezone: str
 
     def __post_init__(self) -> None:
-        try:
-            ZoneInfo(self.timezone)
-        except (ZoneInfoNotFoundError, ValueError):
-            raise ValueError(f"unknown timezone {self.timezone!r}") from None
+        check_timezone(self.timezone)
         if not croniter.is_valid(self.expression):
             raise ValueError(f"invalid cron expression {self.expression!r}")
 
@@ -64,7 +74,7 @@ class Cron:
         candidate: datetime = croniter(self.expression, local).get_next(datetime)
         # When clocks go back, an hour repeats. Like cron, a job pinned to an hour runs
         # once in it (the first time); a job on every hour runs at each real instant.
-        if self._fixed_hours and candidate.replace(tzinfo=None) == local.replace(tzinfo=None):
+        while self._fixed_hours and _repeated_wall_time(candidate, tz):
             candidate = croniter(self.expression, candidate).get_next(datetime)
         return candidate.astimezone(UTC)
 
@@ -73,6 +83,13 @@ class Cron:
 
     def describe(self) -> str:
         return f"cron {self.expression} {self.timezone}"
+
+
+def _repeated_wall_time(local: datetime, tz: ZoneInfo) -> bool:
+    """Whether ``local`` is the second occurrence of its wall time in ``tz`` (the hour
+    that repeats when clocks go back)."""
+    first = local.replace(tzinfo=None).replace(tzinfo=tz, fold=0)
+    return first.astimezone(UTC) < local.astimezone(UTC)
 
 
 Schedule = Every | Cron

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from ..config import PluginTaskSettings, Settings
 from ..errors import ConfigError
-from .schedule import Cron, Every, Misfire, Schedule
+from .schedule import Cron, Every, Misfire, Schedule, check_timezone
 
 if TYPE_CHECKING:
     from .context import TaskContext
@@ -84,6 +84,10 @@ def import_target(path: str) -> Target:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(f"target {path!r}: cannot import {module_name!r}: {exc}") from None
+    except Exception as exc:  # the module itself failed while being imported
+        raise ValueError(
+            f"target {path!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from None
     for part in attribute.split("."):
         try:
             obj = getattr(obj, part)
@@ -97,6 +101,7 @@ def import_target(path: str) -> Target:
 def build_spec(declaration: PluginTaskSettings, source: str, target: Target | None) -> TaskSpec:
     schedule: Schedule
     if declaration.every is not None:
+        check_timezone(declaration.timezone)  # unused by intervals, but a typo all the same
         schedule = Every(declaration.every)
     else:
         assert declaration.cron is not None
@@ -136,11 +141,26 @@ def _plugin_declarations() -> Iterable[tuple[str, Mapping[str, Any]]]:
             for item in declared:
                 if isinstance(item, PluginTaskSettings):
                     item = item.model_dump(exclude_none=True)
+                if not isinstance(item, Mapping):
+                    raise ConfigError(
+                        f"plugin {entry.name!r} ({entry.value}): a task declaration must be "
+                        f"a mapping, not {type(item).__name__}"
+                    )
                 yield source, item
         except ConfigError:
             raise
         except Exception as exc:
             raise ConfigError(f"plugin {entry.name!r} ({entry.value}): {exc}") from None
+
+
+def _first_error(exc: ValidationError) -> str:
+    """The first problem with a declaration, naming its key (``every: not a duration``)."""
+    error = exc.errors(include_url=False)[0]
+    message = str(error["msg"]).removeprefix("Value error, ")
+    key = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "extra_forbidden":
+        return f"{key}: unknown key"
+    return f"{key}: {message}" if key else message
 
 
 def load_tasks(settings: Settings, builtins: Iterable[Mapping[str, Any]] = ()) -> list[TaskSpec]:
@@ -152,7 +172,7 @@ def load_tasks(settings: Settings, builtins: Iterable[Mapping[str, Any]] = ()) -
         try:
             spec = make(*args)
         except (ValueError, ValidationError) as exc:
-            message = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+            message = _first_error(exc) if isinstance(exc, ValidationError) else str(exc)
             raise ConfigError(f"invalid task {name!r} ({source}): {message}") from None
         if spec.name in specs:
             raise ConfigError(

@@ -1,0 +1,160 @@
+"""Plugin task targets for the tests, importable as ``plugin_targets:NAME``.
+
+pytest puts ``tests/`` on ``sys.path`` (rootdir conftest, ``prepend`` import mode), so an
+in-process daemon imports these directly; a daemon process needs ``PYTHONPATH=tests``
+(see ``TARGETS_ENV``).
+
+In-process targets append to :data:`CALLS`; targets that must leave evidence from
+another process (or from a leader that may be killed) write through
+``ctx.transaction()``, the fenced transaction of the plugin leader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from scheduler_daemon.db.base import Tx
+from scheduler_daemon.db.sqlite import SqliteTx
+from scheduler_daemon.plugins.context import TaskContext
+
+TESTS_DIR = Path(__file__).resolve().parent
+TARGETS_ENV = {"PYTHONPATH": str(TESTS_DIR)}
+
+PROBE_TABLE = "plugin_probe"
+PROBE_DDL = (
+    f"CREATE TABLE {PROBE_TABLE} (name text NOT NULL, slot_text text NOT NULL, "
+    "instance text NOT NULL, at_text text NOT NULL)"
+)
+
+
+@dataclass(frozen=True)
+class Call:
+    kind: str  # which target
+    name: str | None
+    slot: datetime | None
+    thread: str
+    in_task: bool  # ran as (part of) an asyncio task: on the event loop
+
+
+CALLS: list[Call] = []
+
+
+def _record(kind: str, ctx: TaskContext | None) -> None:
+    try:
+        in_task = asyncio.current_task() is not None
+    except RuntimeError:  # no running loop in this thread
+        in_task = False
+    CALLS.append(
+        Call(
+            kind,
+            ctx.name if ctx else None,
+            ctx.slot if ctx else None,
+            threading.current_thread().name,
+            in_task,
+        )
+    )
+
+
+async def tick(ctx: TaskContext) -> None:
+    _record("async", ctx)
+
+
+def tick_sync(ctx: TaskContext) -> None:
+    _record("sync", ctx)
+
+
+def no_context() -> None:
+    """A target without parameters is called without the context."""
+    _record("no_context", None)
+
+
+async def fail(ctx: TaskContext) -> None:
+    raise RuntimeError(f"boom for {ctx.name}")
+
+
+def fail_sync(ctx: TaskContext) -> None:
+    raise ValueError("sync boom")
+
+
+async def raise_timeout_error(ctx: TaskContext) -> None:
+    """Fails with TimeoutError of its own (an HTTP client's, say), well within its timeout."""
+    raise TimeoutError("upstream did not answer")
+
+
+async def hang(ctx: TaskContext) -> None:
+    _record("hang", ctx)
+    await asyncio.sleep(3600)
+
+
+def hang_sync(ctx: TaskContext) -> None:
+    """Blocks its thread until told to stop: a sync target cannot be cancelled."""
+    _record("hang_sync", ctx)
+    while not ctx.cancelled.wait(0.02):
+        pass
+    _record("hang_sync_saw_cancel", ctx)
+
+
+async def slow(ctx: TaskContext) -> None:
+    """Longer than the period the tests give it: the slots in between overlap."""
+    _record("slow", ctx)
+    await asyncio.sleep(1.5)
+
+
+def _placeholders(tx: Tx, count: int) -> str:
+    mark = "?" if isinstance(tx, SqliteTx) else "$"
+    return ", ".join(f"{mark}{n}" for n in range(1, count + 1))
+
+
+async def probe(ctx: TaskContext) -> None:
+    """Insert (name, slot, instance, the database's clock) into plugin_probe, in the fenced
+    transaction. Times as ISO text (UTC, fixed width), so both backends store them alike."""
+    async with ctx.transaction() as tx:
+        clock = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')" if isinstance(tx, SqliteTx) else None
+        if clock is None:
+            clock = (
+                "to_char(clock_timestamp() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')"
+            )
+        await tx.run(
+            f"INSERT INTO {PROBE_TABLE} (name, slot_text, instance, at_text) "
+            f"VALUES ({_placeholders(tx, 3)}, {clock})",
+            ctx.name,
+            ctx.slot.isoformat(),
+            ctx.instance,
+        )
+
+
+async def probe_slowly(ctx: TaskContext) -> None:
+    """A probe that takes most of a second: a leader killed now is killed mid-run."""
+    await asyncio.sleep(0.4)
+    await probe(ctx)
+    await asyncio.sleep(0.3)
+
+
+def declarations() -> list[dict[str, Any]]:
+    """An entry point's provider (tests register it with a fake distribution)."""
+    return [{"name": "ep.tick", "every": "1s", "target": tick}]
+
+
+def bad_schedule() -> list[dict[str, Any]]:
+    return [{"name": "ep.bad", "every": "soon", "target": tick}]
+
+
+def both_actions() -> list[dict[str, Any]]:
+    return [{"name": "ep.both", "every": "1s", "target": tick, "sql": "SELECT 1"}]
+
+
+def unknown_key() -> list[dict[str, Any]]:
+    return [{"name": "ep.typo", "every": "1s", "target": tick, "timout": "5s"}]
+
+
+def broken_provider() -> list[dict[str, Any]]:
+    raise RuntimeError("the plugin could not read its own settings")
+
+
+def not_a_mapping() -> list[Any]:
+    return ["ep.tick"]

@@ -1,0 +1,740 @@
+"""The plugin loop end to end, on SQLite and PostgreSQL: the real daemon (in process, so a
+test can start, stop and restart it in well under a second), real databases, real CLI
+processes for `tasks ...`, and one real daemon process for the sample plugin's entry point.
+
+Evidence is read from the database (`scheduler_plugin_runs`, `scheduler_plugin_tasks`),
+which is what the guarantees are about, plus `plugin_targets.CALLS` for what ran where.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import signal
+import sqlite3
+import threading
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+from itertools import pairwise
+from typing import Any, TypeVar
+
+import aiosqlite
+import asyncpg
+import plugin_targets
+import pytest
+import structlog
+from plugin_targets import CALLS, PROBE_DDL, PROBE_TABLE
+from rig.processes import Daemons, run_cli
+from structlog.testing import capture_logs
+
+from scheduler_daemon.config import Settings
+from scheduler_daemon.daemon import Daemon
+from scheduler_daemon.db.sqlite import from_db_row, to_db_value
+from scheduler_daemon.db.url import DatabaseUrl
+from scheduler_daemon.logs import get_logger
+from scheduler_daemon.plugins.schedule import Cron
+
+T = TypeVar("T")
+
+TERMINAL = {"succeeded", "failed", "timed_out", "skipped_overlap", "abandoned"}
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("SCHEDULER_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture(autouse=True)
+def calls() -> Iterator[list[plugin_targets.Call]]:
+    CALLS.clear()
+    yield CALLS
+    CALLS.clear()
+
+
+@pytest.fixture(autouse=True)
+def logs() -> Iterator[list[dict[str, Any]]]:
+    """Every log event of the in-process daemons, at every level (and none printed)."""
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with capture_logs() as events:
+            yield events
+    finally:
+        structlog.configure(**saved)
+
+
+# -- the database, from the test's side --------------------------------------------------
+
+
+class Db:
+    """Plain SQL against the test's database, one short connection per call.
+
+    Write ``$1``-style parameters; for SQLite they become ``?1`` and times are converted
+    both ways (SQLite keeps them as text).
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = DatabaseUrl.parse(url)
+        self.backend = self.url.backend
+
+    async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
+        if self.backend == "postgres":
+            conn = await asyncpg.connect(self.url.postgres_dsn)
+            try:
+                return [dict(row) for row in await conn.fetch(sql, *args)]
+            finally:
+                await conn.close()
+        path = self.url.sqlite_path
+        assert path is not None
+        params = tuple(to_db_value(arg) for arg in args)
+        async with aiosqlite.connect(path, timeout=30) as conn:
+            conn.row_factory = sqlite3.Row
+            async with conn.execute(re.sub(r"\$(\d+)", r"?\1", sql), params) as cursor:
+                rows = await cursor.fetchall()
+            await conn.commit()
+        return [from_db_row(row) for row in rows]
+
+    async def runs(self, name: str | None = None) -> list[dict[str, Any]]:
+        rows = await self.fetch(
+            "SELECT id, name, slot, instance, status, error, started_at, finished_at "
+            "FROM scheduler_plugin_runs ORDER BY id"
+        )
+        return [row for row in rows if name is None or row["name"] == name]
+
+    async def statuses(self, name: str) -> Counter[str]:
+        return Counter(row["status"] for row in await self.runs(name))
+
+    async def task(self, name: str) -> dict[str, Any]:
+        rows = await self.fetch("SELECT * FROM scheduler_plugin_tasks WHERE name = $1", name)
+        assert rows, f"task {name!r} is not registered"
+        row = rows[0]
+        row["active"], row["paused"] = bool(row["active"]), bool(row["paused"])
+        return row
+
+    async def now(self) -> datetime:
+        if self.backend == "postgres":
+            [row] = await self.fetch("SELECT now() AS now")
+            return row["now"]  # type: ignore[no-any-return]
+        [row] = await self.fetch("SELECT strftime('%Y-%m-%dT%H:%M:%fZ', 'now') AS now")
+        return row["now"]  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def db(database_url: str) -> Db:
+    return Db(database_url)
+
+
+async def until(
+    check: Callable[[], Awaitable[T]], what: str, within: float = 20.0, every: float = 0.1
+) -> T:
+    """Poll ``check`` until it returns something truthy; fail the test after ``within`` s."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        value = await check()
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"gave up after {within}s waiting for {what} (last: {value!r})")
+        await asyncio.sleep(every)
+
+
+async def at_least(db: Db, name: str, status: str, count: int, within: float = 20.0) -> None:
+    async def enough() -> bool:
+        return (await db.statuses(name))[status] >= count
+
+    await until(enough, f"{count} {status} runs of {name}", within)
+
+
+# -- the daemon, in process ----------------------------------------------------------------
+
+
+def make_settings(database_url: str, tasks: list[dict[str, Any]], **overrides: Any) -> Settings:
+    plugin = {
+        "interval": 0.1,
+        "tasks": tasks,
+        "disabled": ["purge_publications"],  # the built-in: only where a test wants it
+        **overrides.pop("plugin", {}),
+    }
+    return Settings(
+        database_url=database_url,
+        instance_id=overrides.pop("instance_id", "replica-1"),
+        shutdown_timeout=5,
+        http={"enabled": False},
+        publish={"enabled": False},
+        plugin=plugin,
+        **overrides,
+    )
+
+
+@asynccontextmanager
+async def running(
+    database_url: str, tasks: list[dict[str, Any]], **overrides: Any
+) -> AsyncIterator[Daemon]:
+    """A daemon running only the plugin loop; stopped (and checked to exit 0) on exit."""
+    settings = make_settings(database_url, tasks, **overrides)
+    daemon = Daemon(settings, get_logger(instance=settings.instance_id), only="plugin")
+    run = asyncio.create_task(daemon.run(), name="daemon")
+    started = asyncio.create_task(daemon.started.wait())
+    await asyncio.wait({run, started}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+    if not started.done():
+        started.cancel()
+        if run.done():
+            raise AssertionError(f"the daemon exited before starting: {run.result()!r}")
+        daemon.request_stop("test: too slow to start")
+        await asyncio.wait_for(run, 30)
+        raise AssertionError("the daemon did not start within 30s")
+    try:
+        yield daemon
+    finally:
+        daemon.request_stop("test")
+        code = await asyncio.wait_for(run, 30)
+    assert code == 0
+
+
+def task(name: str, **declaration: Any) -> dict[str, Any]:
+    return {"name": name, **declaration}
+
+
+async def cli(database_url: str, *args: str) -> tuple[int, str, str]:
+    """`scheduler-daemon ARGS` as a process, without blocking the in-process daemon."""
+    result = await asyncio.to_thread(run_cli, list(args), {"SCHEDULER_DATABASE_URL": database_url})
+    return result.returncode, result.stdout, result.stderr
+
+
+def ticks(daemon: Daemon) -> float:
+    value = daemon.metrics.registry.get_sample_value(
+        "scheduler_ticks_total", {"loop": "plugin", "result": "ok"}
+    )
+    return value or 0.0
+
+
+def events(logs: list[dict[str, Any]], name: str, **fields: Any) -> list[dict[str, Any]]:
+    return [
+        e
+        for e in logs
+        if e["event"] == name and all(e.get(key) == value for key, value in fields.items())
+    ]
+
+
+# -- runs, targets, statuses ------------------------------------------------------------
+
+
+async def test_interval_task_runs_each_slot_once(database_url: str, db: Db) -> None:
+    period = timedelta(milliseconds=300)
+    tasks = [
+        task("async", every="300ms", target="plugin_targets:tick"),
+        task("sync", every="300ms", target="plugin_targets:tick_sync"),
+        task("bare", every="300ms", target="plugin_targets:no_context"),
+    ]
+    async with running(database_url, tasks):
+        for name in ("async", "sync", "bare"):
+            await at_least(db, name, "succeeded", 4)
+
+    for name in ("async", "sync", "bare"):
+        runs = await db.runs(name)
+        slots = [run["slot"] for run in runs]
+        assert len(slots) == len(set(slots)), f"{name}: a slot ran twice"
+        assert {run["status"] for run in runs} == {"succeeded"}, runs
+        assert all(run["instance"] == "replica-1" and run["finished_at"] for run in runs)
+        # Slots keep the phase of the first: whole periods apart (more than one only if a
+        # tick came a whole period late, which the misfire policy turned into one run).
+        for earlier, later in pairwise(slots):
+            assert (later - earlier) % period == timedelta(0), (earlier, later)
+        state = await db.task(name)
+        assert state["run_count"] == len(runs)
+        assert (state["last_status"], state["consecutive_failures"]) == ("succeeded", 0)
+        assert state["last_slot"] == slots[-1]
+        assert state["next_run_at"] > slots[-1]
+
+    # What ran where: async targets on the event loop, sync ones in worker threads, each
+    # once per recorded run, with the context of its slot.
+    by_kind = {kind: [c for c in CALLS if c.kind == kind] for kind in ("async", "sync")}
+    assert [c.slot for c in by_kind["async"]] == [r["slot"] for r in await db.runs("async")]
+    assert [c.slot for c in by_kind["sync"]] == [r["slot"] for r in await db.runs("sync")]
+    main = threading.main_thread().name
+    assert all(c.in_task and c.thread == main for c in by_kind["async"])
+    assert all(not c.in_task and c.thread != main for c in by_kind["sync"])
+    bare = [c for c in CALLS if c.kind == "no_context"]
+    assert len(bare) == len(await db.runs("bare"))
+    assert all(c.name is None for c in bare)  # called without the context
+
+
+async def test_cron_task_is_registered_with_its_next_slot(database_url: str, db: Db) -> None:
+    cron = Cron("0 3 * * *", "Europe/Berlin")
+    before = cron.first(datetime.now(UTC))
+    tasks = [
+        task("nightly", cron="0 3 * * *", timezone="Europe/Berlin", target="plugin_targets:tick"),
+        # croniter's optional sixth field is seconds: a cron task we can watch run.
+        task("two-seconds", cron="* * * * * */2", target="plugin_targets:tick"),
+    ]
+    async with running(database_url, tasks):
+        await at_least(db, "two-seconds", "succeeded", 2, within=15)
+        nightly = await db.task("nightly")
+    after = cron.first(datetime.now(UTC))
+    assert nightly["schedule"] == "cron 0 3 * * * Europe/Berlin"
+    assert nightly["next_run_at"] in {before, after}
+    assert await db.runs("nightly") == []
+    for run in await db.runs("two-seconds"):
+        assert run["slot"].second % 2 == 0
+        assert run["slot"].microsecond == 0
+
+
+async def test_sql_task(database_url: str, db: Db) -> None:
+    await db.fetch(PROBE_DDL)
+    insert = (
+        f"INSERT INTO {PROBE_TABLE} (name, slot_text, instance, at_text) "
+        "VALUES ('sql', 'from-sql', 'sql', 'x')"
+    )
+    tasks = [
+        task("sql", every="300ms", sql=insert),
+        task("broken-sql", every="300ms", sql="INSERT INTO no_such_table VALUES (1)"),
+    ]
+    async with running(database_url, tasks, plugin={"max_consecutive_failures": 100}):
+        await at_least(db, "sql", "succeeded", 3)
+        await at_least(db, "broken-sql", "failed", 2)
+    probes = await db.fetch(f"SELECT * FROM {PROBE_TABLE}")
+    assert len(probes) == (await db.statuses("sql"))["succeeded"]
+    [error] = {run["error"] for run in await db.runs("broken-sql")}
+    assert "no_such_table" in error
+
+
+async def test_failures_are_recorded_and_isolated(database_url: str, db: Db) -> None:
+    tasks = [
+        task("failing", every="300ms", target="plugin_targets:fail"),
+        task("failing-sync", every="300ms", target="plugin_targets:fail_sync"),
+        task("own-timeout-error", every="300ms", target="plugin_targets:raise_timeout_error"),
+        task("healthy", every="300ms", target="plugin_targets:tick"),
+    ]
+    async with running(database_url, tasks, plugin={"max_consecutive_failures": 100}):
+        for name in ("failing", "failing-sync", "own-timeout-error"):
+            await at_least(db, name, "failed", 3)
+        await at_least(db, "healthy", "succeeded", 3)
+
+    expected = {
+        "failing": "RuntimeError: boom for failing",
+        "failing-sync": "ValueError: sync boom",
+        # A TimeoutError of the target's own is a failure, not the task's timeout.
+        "own-timeout-error": "TimeoutError: upstream did not answer",
+    }
+    for name, error in expected.items():
+        runs = await db.runs(name)
+        assert {(run["status"], run["error"]) for run in runs} == {("failed", error)}
+        state = await db.task(name)
+        assert (state["last_status"], state["last_error"]) == ("failed", error)
+        assert state["consecutive_failures"] == len(runs)
+        assert not state["paused"]
+    assert set(await db.statuses("healthy")) == {"succeeded"}
+
+
+async def test_timeout_is_recorded_and_the_loop_goes_on(
+    database_url: str, db: Db, logs: list[dict[str, Any]]
+) -> None:
+    tasks = [
+        task("hangs", every="500ms", timeout="300ms", target="plugin_targets:hang"),
+        task("hangs-sync", every="500ms", timeout="300ms", target="plugin_targets:hang_sync"),
+        task("healthy", every="300ms", target="plugin_targets:tick"),
+    ]
+    async with running(database_url, tasks, plugin={"max_consecutive_failures": 100}):
+        await at_least(db, "hangs", "timed_out", 2)
+        await at_least(db, "hangs-sync", "timed_out", 2)
+        await at_least(db, "healthy", "succeeded", 5)
+
+    for name in ("hangs", "hangs-sync"):
+        runs = await db.runs(name)
+        assert {run["status"] for run in runs} == {"timed_out"}
+        assert {run["error"] for run in runs} == {"timed out after 0.3s"}
+        for run in runs:  # the timeout ended it: not the next tick, not the shutdown
+            assert run["finished_at"] - run["started_at"] < timedelta(seconds=3)
+    # The sync target could not be cancelled, but it was told to stop, and it did.
+    assert sum(c.kind == "hang_sync_saw_cancel" for c in CALLS) >= 2
+    assert events(logs, "task.timed_out", task="hangs")
+
+
+async def test_overlapping_slot_is_skipped(database_url: str, db: Db) -> None:
+    # `slow` takes 1.5 s; its slots come every 400 ms.
+    tasks = [task("slow", every="400ms", target="plugin_targets:slow")]
+    async with running(database_url, tasks):
+        await at_least(db, "slow", "succeeded", 2, within=20)
+        await at_least(db, "slow", "skipped_overlap", 3)
+
+    runs = await db.runs("slow")
+    assert len({run["slot"] for run in runs}) == len(runs)
+    executed = [run for run in runs if run["status"] == "succeeded"]
+    for earlier, later in pairwise(executed):
+        assert later["started_at"] >= earlier["finished_at"], "two runs of one task overlapped"
+    for run in runs:
+        if run["status"] == "skipped_overlap":
+            assert run["finished_at"] is not None
+    assert sum(c.kind == "slow" for c in CALLS) == len(executed)
+
+
+# -- restarts, downtime, configuration changes -------------------------------------------
+
+
+async def test_misfire_after_downtime(
+    database_url: str, db: Db, logs: list[dict[str, Any]]
+) -> None:
+    period = timedelta(minutes=1)
+    tasks = [
+        task("catch-up", every="1m", misfire="run_once", target="plugin_targets:tick"),
+        task("skipper", every="1m", misfire="skip", target="plugin_targets:tick"),
+    ]
+    async with running(database_url, tasks):  # new interval tasks run at once
+        await at_least(db, "catch-up", "succeeded", 1)
+        await at_least(db, "skipper", "succeeded", 1)
+    first_slot = {name: (await db.runs(name))[0]["slot"] for name in ("catch-up", "skipper")}
+
+    # Five minutes of "downtime": the slot the database says is next is 5 periods old.
+    missed = {}
+    for name in ("catch-up", "skipper"):
+        state = await db.task(name)
+        missed[name] = state["next_run_at"] - 5 * period
+        await db.fetch(
+            "UPDATE scheduler_plugin_tasks SET next_run_at = $1 WHERE name = $2",
+            missed[name],
+            name,
+        )
+
+    async with running(database_url, tasks):
+        await at_least(db, "catch-up", "succeeded", 2)
+
+        async def skipper_moved() -> bool:
+            return bool((await db.task("skipper"))["next_run_at"] > missed["skipper"])
+
+        await until(skipper_moved, "the skip task's next_run_at to move on")
+        await asyncio.sleep(1.0)  # ten more ticks: no burst of the other missed slots
+        now = await db.now()
+        states = {name: await db.task(name) for name in ("catch-up", "skipper")}
+
+    catch_up = await db.runs("catch-up")
+    assert len(catch_up) == 2  # the first run, then exactly one catch-up
+    assert catch_up[1]["slot"] == missed["catch-up"]  # it ran the oldest missed slot
+    # The skip task: only its first run; the missed slots were passed over.
+    assert [run["slot"] for run in await db.runs("skipper")] == [first_slot["skipper"]]
+    for name, state in states.items():
+        assert state["next_run_at"] > now, name
+        assert (state["next_run_at"] - missed[name]) % period == timedelta(0), "phase lost"
+        assert state["next_run_at"] - now <= period
+    assert len(events(logs, "task.misfired", task="catch-up", policy="run_once")) == 1
+    assert len(events(logs, "task.misfired", task="skipper", policy="skip")) == 1
+
+
+async def test_restart_does_not_rewrite_next_run_at(database_url: str, db: Db) -> None:
+    tasks = [
+        task("hourly", every="1h", target="plugin_targets:tick"),
+        task("nightly", cron="0 3 * * *", timezone="America/New_York", sql="SELECT 1"),
+    ]
+    seen = []
+    for _ in range(3):
+        async with running(database_url, tasks):
+            await at_least(db, "hourly", "succeeded", 1)
+            await asyncio.sleep(0.3)  # a few ticks of the restarted leader
+            seen.append({name: await db.task(name) for name in ("hourly", "nightly")})
+    for name in ("hourly", "nightly"):
+        assert len({state[name]["next_run_at"] for state in seen}) == 1, name
+        assert {state[name]["run_count"] for state in seen} == {1 if name == "hourly" else 0}
+    assert len(await db.runs("hourly")) == 1
+
+    # A changed schedule is a new schedule: it starts afresh (an interval task runs now).
+    changed = [task("hourly", every="2h", target="plugin_targets:tick"), tasks[1]]
+    async with running(database_url, changed):
+        await at_least(db, "hourly", "succeeded", 2)
+        state = await db.task("hourly")
+    assert state["schedule"] == "every 7200s"
+    assert state["next_run_at"] - state["last_slot"] == timedelta(hours=2)
+
+
+async def test_removed_task_becomes_inactive_and_keeps_its_state(database_url: str, db: Db) -> None:
+    both = [
+        task("stays", every="1h", target="plugin_targets:tick"),
+        task("goes", every="1h", target="plugin_targets:tick"),
+    ]
+    async with running(database_url, both):
+        await at_least(db, "goes", "succeeded", 1)
+        await at_least(db, "stays", "succeeded", 1)
+    before = await db.task("goes")
+    assert before["active"]
+
+    async with running(database_url, both[:1]):
+
+        async def deactivated() -> bool:
+            return not (await db.task("goes"))["active"]
+
+        await until(deactivated, "the removed task to become inactive")
+    after = await db.task("goes")
+    for column in ("next_run_at", "run_count", "last_status", "last_slot", "schedule"):
+        assert after[column] == before[column], column
+    assert len(await db.runs("goes")) == 1  # its history stays too
+
+    code, out, _ = await cli(database_url, "tasks", "list")
+    assert code == 0
+    assert re.search(r"^goes\s+inactive\s", out, re.MULTILINE), out
+
+    # Declared again: active again, same slot, no re-run.
+    async with running(database_url, both):
+
+        async def reactivated() -> bool:
+            return bool((await db.task("goes"))["active"])
+
+        await until(reactivated, "the task to come back")
+    again = await db.task("goes")
+    assert (again["next_run_at"], again["run_count"]) == (before["next_run_at"], 1)
+
+
+async def test_takeover_abandons_runs_left_running(
+    database_url: str, db: Db, logs: list[dict[str, Any]]
+) -> None:
+    # A run some earlier leader claimed and never finished (it was killed mid-run).
+    slot = datetime(2026, 1, 1, 12, tzinfo=UTC)
+    await db.fetch(
+        "INSERT INTO scheduler_plugin_runs (name, slot, instance, status) "
+        "VALUES ('crashed', $1, 'dead-replica', 'running')",
+        slot,
+    )
+    tasks = [task("crashed", every="1h", target="plugin_targets:tick")]
+    async with running(database_url, tasks):
+        await at_least(db, "crashed", "abandoned", 1)
+        await at_least(db, "crashed", "succeeded", 1)  # the task itself carries on
+    [abandoned] = [run for run in await db.runs("crashed") if run["status"] == "abandoned"]
+    assert (abandoned["slot"], abandoned["instance"]) == (slot, "dead-replica")
+    assert abandoned["finished_at"] is not None
+    assert "lost the lock" in abandoned["error"]
+    assert events(logs, "task.abandoned", task="crashed", instance="dead-replica")
+
+
+# -- operating tasks ------------------------------------------------------------------
+
+
+async def test_auto_pause_after_consecutive_failures(
+    database_url: str, db: Db, logs: list[dict[str, Any]]
+) -> None:
+    tasks = [
+        task("flaky", every="300ms", target="plugin_targets:fail"),
+        task("healthy", every="300ms", target="plugin_targets:tick"),
+    ]
+    async with running(database_url, tasks, plugin={"max_consecutive_failures": 3}):
+
+        async def paused() -> bool:
+            return (await db.statuses("flaky"))["failed"] > 0 and (await db.task("flaky"))["paused"]
+
+        await until(paused, "the failing task to be paused")
+        healthy_before = (await db.statuses("healthy"))["succeeded"]
+        await asyncio.sleep(1.0)  # three periods: a paused task does not run
+        assert await db.statuses("flaky") == Counter(failed=3)
+        assert (await db.statuses("healthy"))["succeeded"] > healthy_before
+        [paused_event] = events(logs, "task.auto_paused", task="flaky")
+        assert paused_event["failures"] == 3
+        assert paused_event["hint"] == "scheduler-daemon tasks resume flaky"
+
+        code, out, _ = await cli(database_url, "tasks", "list", "--json")
+        assert code == 0
+        [listed] = [row for row in json.loads(out) if row["name"] == "flaky"]
+        assert (listed["paused"], listed["consecutive_failures"]) in {(True, 3), (1, 3)}
+
+        # Resuming clears the count: three more tries before the next pause.
+        code, out, _ = await cli(database_url, "tasks", "resume", "flaky")
+        assert (code, out) == (0, "flaky: resumed\n")
+        await at_least(db, "flaky", "failed", 6)
+        await until(paused, "the task to be paused again")
+        await asyncio.sleep(0.5)
+    assert await db.statuses("flaky") == Counter(failed=6)
+
+
+async def test_tasks_cli_list_pause_trigger_resume(database_url: str, db: Db) -> None:
+    tasks = [
+        task("hourly", every="1h", target="plugin_targets:tick"),
+        task("nightly", cron="0 3 * * *", timezone="Europe/Berlin", target="plugin_targets:tick"),
+    ]
+    async with running(database_url, tasks) as daemon:
+        await at_least(db, "hourly", "succeeded", 1)
+        hourly = await db.task("hourly")
+
+        code, out, err = await cli(database_url, "tasks", "list")
+        assert code == 0, err
+        lines = out.splitlines()
+        assert lines[0].split()[:2] == ["TASK", "STATE"]
+        assert re.search(r"^hourly\s+active\s+\S+\s+succeeded\s+1\s+every 3600s$", out, re.M)
+        assert re.search(
+            r"^nightly\s+active\s+\S+\s+-\s+0\s+cron 0 3 \* \* \* Europe/Berlin$", out, re.M
+        )
+
+        # trigger: one run, now, claimed as a slot of its own; the schedule is untouched.
+        code, out, _ = await cli(database_url, "tasks", "trigger", "nightly")
+        assert (code, out) == (0, "nightly: triggered\n")
+        await at_least(db, "nightly", "succeeded", 1)
+        [triggered] = await db.runs("nightly")
+        nightly = await db.task("nightly")
+        assert nightly["trigger_requested_at"] is None  # consumed
+        assert nightly["next_run_at"] > triggered["slot"]  # still the next 03:00
+        assert nightly["next_run_at"] == Cron("0 3 * * *", "Europe/Berlin").next_after(
+            triggered["slot"]
+        )
+
+        # pause: no more runs, and a trigger waits for resume (without spinning the loop).
+        code, out, _ = await cli(database_url, "tasks", "pause", "hourly")
+        assert (code, out) == (0, "hourly: paused\n")
+        code, out, _ = await cli(database_url, "tasks", "trigger", "hourly")
+        assert code == 0
+        ticks_before = ticks(daemon)
+        await asyncio.sleep(1.5)
+        assert len(await db.runs("hourly")) == 1
+        assert ticks(daemon) - ticks_before < 40, "the loop spins on a paused task's trigger"
+        code, out, _ = await cli(database_url, "tasks", "list")
+        assert re.search(r"^hourly\s+paused\s", out, re.M)
+
+        code, out, _ = await cli(database_url, "tasks", "resume", "hourly")
+        assert (code, out) == (0, "hourly: resumed\n")
+        await at_least(db, "hourly", "succeeded", 2)
+        await asyncio.sleep(0.5)
+        after = await db.task("hourly")
+
+    runs = await db.runs("hourly")
+    assert len(runs) == 2  # the first run, then the trigger: once
+    assert runs[1]["slot"] != hourly["next_run_at"]  # a slot of its own
+    assert after["next_run_at"] == hourly["next_run_at"]  # schedule untouched
+    assert after["trigger_requested_at"] is None
+
+    for action in ("pause", "resume", "trigger"):
+        code, out, err = await cli(database_url, "tasks", action, "no-such-task")
+        assert code == 65, (action, out, err)
+        assert err.strip() == (
+            "scheduler-daemon: no task named 'no-such-task' (see `scheduler-daemon tasks list`)"
+        )
+
+
+async def test_trigger_waits_for_a_free_place(database_url: str, db: Db, calls: list[Any]) -> None:
+    # One place: `busy` (1.5 s) takes it at once; a trigger of `other` meanwhile waits
+    # for the place instead of being dropped, and the loop does not spin while it waits.
+    tasks = [
+        task("busy", every="1h", target="plugin_targets:slow"),
+        task("other", cron="0 3 * * *", target="plugin_targets:tick"),
+    ]
+    async with running(database_url, tasks, plugin={"concurrency": 1}) as daemon:
+
+        async def busy_started() -> bool:
+            return any(c.kind == "slow" for c in calls)
+
+        await until(busy_started, "busy to start")
+        ticks_before = ticks(daemon)
+        await db.fetch(
+            "UPDATE scheduler_plugin_tasks SET trigger_requested_at = $1 WHERE name = 'other'",
+            await db.now(),
+        )
+        await at_least(db, "other", "succeeded", 1)
+        assert ticks(daemon) - ticks_before < 40, "the loop spins while the trigger waits"
+    [busy] = await db.runs("busy")
+    [other] = await db.runs("other")
+    assert other["started_at"] >= busy["finished_at"]
+
+
+async def test_trigger_and_due_slot_in_one_tick_run_once(
+    database_url: str, db: Db, calls: list[Any]
+) -> None:
+    # The state a leader finds after downtime: the slot is due and a trigger is pending.
+    # One of them runs; the other overlaps it and is skipped, never run alongside.
+    due = datetime.now(UTC) - timedelta(seconds=30)
+    await db.fetch(
+        "INSERT INTO scheduler_plugin_tasks (name, schedule, next_run_at, trigger_requested_at) "
+        "VALUES ('slow', 'every 3600s', $1, $2)",
+        due,
+        due + timedelta(seconds=10),
+    )
+    tasks = [task("slow", every="1h", target="plugin_targets:slow")]
+    async with running(database_url, tasks):
+        await at_least(db, "slow", "succeeded", 1)
+        await asyncio.sleep(0.3)
+    assert await db.statuses("slow") == Counter(succeeded=1, skipped_overlap=1)
+    assert sum(c.kind == "slow" for c in calls) == 1
+    state = await db.task("slow")
+    assert state["trigger_requested_at"] is None
+    assert state["next_run_at"] == due + timedelta(hours=1)
+
+
+# -- built-in and plugin tasks ---------------------------------------------------------
+
+
+async def test_purge_publications(database_url: str, db: Db) -> None:
+    now = datetime.now(UTC)
+    rows = {
+        "old-published": ("published", now - timedelta(days=40)),
+        "old-cancelled": ("cancelled", now - timedelta(days=31)),
+        "old-failed": ("failed", now - timedelta(days=90)),
+        "old-scheduled": ("scheduled", now - timedelta(days=40)),  # overdue, never purged
+        "new-published": ("published", now - timedelta(days=29)),
+        "future": ("scheduled", now + timedelta(days=1)),
+    }
+    for key, (status, publish_at) in rows.items():
+        await db.fetch(
+            "INSERT INTO scheduler_publications (key, payload, publish_at, status) "
+            "VALUES ($1, '{}', $2, $3)",
+            key,
+            publish_at,
+            status,
+        )
+    async with running(database_url, [], plugin={"disabled": []}):
+        await at_least(db, "purge_publications", "succeeded", 1)
+        state = await db.task("purge_publications")
+    left = {row["key"] for row in await db.fetch("SELECT key FROM scheduler_publications")}
+    assert left == {"old-scheduled", "new-published", "future"}
+    assert state["schedule"] == "every 600s"
+    assert state["next_run_at"] - state["last_slot"] == timedelta(minutes=10)
+
+
+async def test_purge_publications_in_batches(database_url: str, db: Db) -> None:
+    old = datetime.now(UTC) - timedelta(days=60)
+    if db.backend == "postgres":
+        await db.fetch(
+            "INSERT INTO scheduler_publications (key, publish_at, status) "
+            "SELECT 'k' || n, $1::timestamptz, 'published' FROM generate_series(1, 2500) n",
+            old,
+        )
+    else:
+        await db.fetch(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 2500) "
+            "INSERT INTO scheduler_publications (key, payload, publish_at, status) "
+            "SELECT 'k' || i, '{}', $1, 'published' FROM n",
+            old,
+        )
+    async with running(database_url, [], plugin={"disabled": []}):
+        await at_least(db, "purge_publications", "succeeded", 1)
+    assert await db.fetch("SELECT count(*) AS n FROM scheduler_publications") == [{"n": 0}]
+
+
+@pytest.mark.processes
+async def test_sample_plugin_task_runs_from_its_entry_point(
+    database_url: str, db: Db, daemons: Daemons
+) -> None:
+    env = {
+        "SCHEDULER_DATABASE_URL": database_url,
+        "SCHEDULER_PLUGIN__INTERVAL": "0.1",
+        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
+        "SCHEDULER_SAMPLE_PLUGIN": "1",
+        "SCHEDULER_INSTANCE_ID": "sample-host",
+    }
+    daemon = daemons.start(env, ["run", "--only", "plugin"])
+    registered = await asyncio.to_thread(
+        daemon.wait_for_log, "task.registered", task="sample.greet"
+    )
+    assert registered["source"] == "plugin:sample"
+    await asyncio.to_thread(daemon.wait_for_log, "task.succeeded", task="sample.greet")
+    await asyncio.to_thread(daemon.wait_for_log, "sample.greeted", instance="sample-host")
+    daemon.signal(signal.SIGTERM)
+    assert await asyncio.to_thread(daemon.wait, 30) == 0
+
+    greet = await db.runs("sample.greet")
+    assert greet
+    assert greet[0]["status"] == "succeeded"
+    assert {run["instance"] for run in greet} == {"sample-host"}
+    [greetings] = await db.fetch("SELECT count(*) AS n FROM sample_plugin_greetings")
+    assert greetings["n"] == sum(run["status"] == "succeeded" for run in greet)
+    tidy = await db.task("sample.tidy")
+    assert tidy["schedule"] == "cron 30 3 * * * Europe/Berlin"
+    assert tidy["next_run_at"] == Cron("30 3 * * *", "Europe/Berlin").next_after(tidy["created_at"])
