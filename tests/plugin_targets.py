@@ -158,3 +158,9 @@ def broken_provider() -> list[dict[str, Any]]:
 
 def not_a_mapping() -> list[Any]:
     return ["ep.tick"]
+
+
+def block_forever(ctx: TaskContext) -> None:
+    """A sync target that ignores ``ctx.cancelled``: the worst a plugin can do."""
+    _record("block_forever", ctx)
+    threading.Event().wait()

@@ -59,8 +59,10 @@ class Tx(Protocol):
     transaction holds the tick's ``pg_try_advisory_xact_lock``.
     """
 
-    async def execute(self, sql: str) -> None:
-        """Run SQL (one or several statements, no parameters)."""
+    async def execute(self, sql: str, statement_timeout: float | None = None) -> None:
+        """Run SQL (one or several statements, no parameters). ``statement_timeout`` replaces the
+        session's statement timeout for this transaction (PostgreSQL); callers also bound
+        the await, which interrupts the statement on SQLite."""
         ...
 
     async def fetch(self, query: str, *args: Any) -> list[dict[str, Any]]:

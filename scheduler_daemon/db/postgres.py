@@ -44,7 +44,10 @@ class PgTx:
     def __init__(self, conn: asyncpg.Connection) -> None:
         self.conn = conn
 
-    async def execute(self, sql: str) -> None:
+    async def execute(self, sql: str, statement_timeout: float | None = None) -> None:
+        if statement_timeout is not None:
+            milliseconds = int(statement_timeout * 1000)
+            await self.conn.execute(f"SET LOCAL statement_timeout = {milliseconds}")
         await self.conn.execute(sql)
 
     async def fetch(self, query: str, *args: Any) -> list[dict[str, Any]]:

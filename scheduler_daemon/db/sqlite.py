@@ -101,7 +101,7 @@ class SqliteTx:
         self.conn = conn
         self._savepoints = itertools.count()
 
-    async def execute(self, sql: str) -> None:
+    async def execute(self, sql: str, statement_timeout: float | None = None) -> None:
         for statement in split_script(sql):
             await self.conn.execute(statement)
 

@@ -229,7 +229,9 @@ class PluginWork:
             async with deadline:
                 if spec.sql is not None:
                     async with lease.transaction() as tx:
-                        await tx.execute(spec.sql)
+                        # Lift the session's statement_timeout to the task's own, a
+                        # little past it, so our deadline fires first: timed_out.
+                        await tx.execute(spec.sql, statement_timeout=spec.timeout + 1.0)
                 else:
                     await spec.call(ctx)
         except TimeoutError as exc:

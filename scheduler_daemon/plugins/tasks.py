@@ -17,8 +17,10 @@ Everything is validated before the daemon starts: a bad declaration is a config 
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -68,11 +70,42 @@ class TaskSpec:
         if self.is_async:
             await self.target(*args)
             return
-        import asyncio
-
-        result = await asyncio.to_thread(self.target, *args)
+        result = await run_in_daemon_thread(self.target, args, name=f"task:{self.name}")
         if inspect.isawaitable(result):  # a plain function that returned a coroutine
             await result
+
+
+async def run_in_daemon_thread(
+    function: Callable[..., Any], args: tuple[Any, ...], name: str
+) -> Any:
+    """Like ``asyncio.to_thread``, but on a daemon thread of its own.
+
+    A sync target cannot be cancelled. In the default executor one that never returns
+    would keep the process alive after shutdown (``asyncio.run`` joins the executor's
+    threads); a daemon thread is simply abandoned when the daemon exits, and a timed-out
+    run does not hold an executor slot for ever.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(error: BaseException | None, result: Any) -> None:
+        if future.done():  # the awaiting task was cancelled meanwhile
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result = function(*args)
+        except BaseException as exc:
+            loop.call_soon_threadsafe(settle, exc, None)
+        else:
+            loop.call_soon_threadsafe(settle, None, result)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await future
 
 
 def import_target(path: str) -> Target:

@@ -1,0 +1,65 @@
+"""Plugin tasks at their edges: a target that never returns, a SQL task longer than the
+session's statement timeout."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from rig.processes import Daemons
+from rig.sql import fetch
+
+TESTS = str(Path(__file__).resolve().parent)
+
+
+def test_a_sync_target_that_never_returns_does_not_keep_the_daemon_alive(
+    daemons: Daemons, sqlite_url: str
+) -> None:
+    task = {"name": "stuck", "every": "1h", "target": "plugin_targets:block_forever"}
+    process = daemons.start(
+        {
+            "SCHEDULER_DATABASE_URL": sqlite_url,
+            "SCHEDULER_PLUGIN__TASKS": json.dumps([task]),
+            "SCHEDULER_SHUTDOWN_TIMEOUT": "1s",
+            "PYTHONPATH": TESTS,
+        },
+        args=["run", "--only", "plugin"],
+    )
+    process.wait_for_log("task.started", task="stuck")
+    started = time.monotonic()
+    process.signal(signal.SIGTERM)
+    assert process.wait(timeout=20) == 0
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.postgres
+def test_a_sql_task_may_outlast_the_session_statement_timeout(
+    daemons: Daemons, pg_url: str
+) -> None:
+    task = {"name": "long", "every": "1h", "timeout": "10s", "sql": "SELECT pg_sleep(2)"}
+    process = daemons.start(
+        {
+            "SCHEDULER_DATABASE_URL": pg_url,
+            "SCHEDULER_DATABASE__STATEMENT_TIMEOUT": "1s",
+            "SCHEDULER_PLUGIN__TASKS": json.dumps([task]),
+        },
+        args=["run", "--only", "plugin"],
+    )
+    process.wait_for_log("task.succeeded", task="long", timeout=30)
+    status = fetch(pg_url, "SELECT status FROM scheduler_plugin_runs WHERE name = 'long'")
+    assert status == [{"status": "succeeded"}]
+
+
+@pytest.mark.postgres
+def test_a_sql_task_past_its_own_timeout_is_timed_out(daemons: Daemons, pg_url: str) -> None:
+    task = {"name": "long", "every": "1h", "timeout": "1s", "sql": "SELECT pg_sleep(30)"}
+    process = daemons.start(
+        {"SCHEDULER_DATABASE_URL": pg_url, "SCHEDULER_PLUGIN__TASKS": json.dumps([task])},
+        args=["run", "--only", "plugin"],
+    )
+    process.wait_for_log("task.timed_out", task="long", timeout=30)
+    rows = fetch(pg_url, "SELECT status FROM scheduler_plugin_runs WHERE name = 'long'")
+    assert rows == [{"status": "timed_out"}]
