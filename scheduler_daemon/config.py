@@ -7,6 +7,7 @@ edge; the rest of the code receives plain, already-checked values.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import socket
@@ -354,14 +355,34 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: invalid TOML: {exc}") from None
 
 
-def _describe(error: Mapping[str, Any]) -> str:
-    location = ".".join(str(part) for part in error["loc"]) or "config"
+def _task_names(file_values: Mapping[str, Any]) -> list[Any]:
+    """Task names by position, from the environment (which wins) or the file, so that an
+    error in ``plugin.tasks.2`` can say which task it is."""
+    raw = os.environ.get("SCHEDULER_PLUGIN__TASKS")
+    try:
+        tasks = json.loads(raw) if raw else file_values.get("plugin", {}).get("tasks", [])
+    except json.JSONDecodeError:
+        return []
+    if not isinstance(tasks, list):
+        return []
+    return [task.get("name") if isinstance(task, dict) else None for task in tasks]
+
+
+def _describe(error: Mapping[str, Any], task_names: list[Any]) -> str:
+    parts = [str(part) for part in error["loc"]]
+    if parts[:2] == ["plugin", "tasks"] and len(parts) > 2 and parts[2].isdigit():
+        index = int(parts[2])
+        if index < len(task_names) and task_names[index]:
+            parts[2] = f"[{task_names[index]}]"
+    location = ".".join(parts).replace(".[", "[") or "config"
     message = str(error["msg"]).removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
         return f"{location}: unknown key"
-    if location == "database_url":
-        return f"{location}: {message}"  # the input may hold a password: never echo it
-    return f"{location}: {message} (got {error.get('input')!r})"
+    value = error.get("input")
+    if location == "database_url" or isinstance(value, dict | list):
+        # A URL may hold a password; a whole section or list is noise. Never echo either.
+        return f"{location}: {message}"
+    return f"{location}: {message} (got {value!r})"
 
 
 def load_settings(config_file: str | Path | None = None) -> Settings:
@@ -372,7 +393,7 @@ def load_settings(config_file: str | Path | None = None) -> Settings:
         return Settings(**file_values)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
-        first = _describe(errors[0])
+        first = _describe(errors[0], _task_names(file_values))
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise ConfigError(f"invalid config: {first}{more}") from None
     except SettingsError as exc:

@@ -134,7 +134,7 @@ def test_lock_keys() -> None:
         ("", {"SCHEDULER_LOCK__MODE": "sometimes"}, "lock.mode"),
         ("[publish]\nintreval = 5\n", {}, "publish.intreval"),
         ("nonsense = 1\n", {}, "nonsense"),
-        ("[plugin]\n[[plugin.tasks]]\nname = 'a'\nevery = '1s'\n", {}, "plugin.tasks.0"),
+        ("[plugin]\n[[plugin.tasks]]\nname = 'a'\nevery = '1s'\n", {}, "plugin.tasks[a]"),
         ("[database]\npool_min_size = 9\npool_max_size = 2\n", {}, "database"),
     ],
 )
@@ -226,3 +226,21 @@ def test_example_config_matches_the_model_defaults() -> None:
     assert set(_flatten(example)) | unset == set(flat_defaults) | {"instance_id"}
     for key in unset:
         assert f"# {key.rsplit('.', 1)[-1]} = " in text, f"{key} is not shown"
+
+
+def test_task_errors_name_the_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    toml = "[[plugin.tasks]]\nname = 'a'\nevery = '1s'\nsql = 'x'\n"
+    toml += "[[plugin.tasks]]\nname = 'refresh'\nevery = 'often'\nsql = 'x'\n"
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, toml))
+    assert str(info.value).startswith("invalid config: plugin.tasks[refresh].every:")
+    monkeypatch.setenv("SCHEDULER_PLUGIN__TASKS", '[{"name": "envtask", "every": -1, "sql": "x"}]')
+    with pytest.raises(ConfigError, match=r"plugin\.tasks\[envtask\]\.every"):
+        load_settings()
+
+
+def test_duplicate_task_names_do_not_dump_the_list(tmp_path: Path) -> None:
+    toml = "[[plugin.tasks]]\nname = 'a'\nevery = '1s'\nsql = 'x'\n" * 2
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, toml))
+    assert str(info.value) == "invalid config: plugin.tasks: duplicate task name 'a'"
