@@ -49,18 +49,32 @@ def wait_for_new_leader(
     raise AssertionError("no new leader")
 
 
+SCENARIOS = [
+    pytest.param(5000, (("kill", 0.12), ("stop", 0.4), ("kill", 0.7)), id="5000-rows"),
+    pytest.param(
+        20000,
+        (("kill", 0.1), ("stop", 0.25), ("kill", 0.4), ("stop", 0.55), ("kill", 0.7),
+         ("kill", 0.85)),
+        id="20000-rows-long",
+        marks=pytest.mark.chaos_long,
+    ),
+]  # fmt: skip
+
+
 @pytest.mark.postgres
-def test_5000_publications_exactly_once_through_kills_and_a_stall(
-    daemons: Daemons, pg_url: str
+@pytest.mark.parametrize(("rows", "actions"), SCENARIOS)
+def test_publications_exactly_once_through_kills_and_stalls(
+    daemons: Daemons, pg_url: str, rows: int, actions: tuple[tuple[str, float], ...]
 ) -> None:
     fetch(pg_url, "CREATE TABLE audit (publication_id bigint NOT NULL, at timestamptz "
                   "NOT NULL DEFAULT clock_timestamp(), by text)")  # fmt: skip
-    # 5,000 rows due over the next ~20 s.
+    # Due over the next rows x 4 ms (~20 s for 5,000).
     fetch(
         pg_url,
         "INSERT INTO scheduler_publications (key, payload, publish_at) "
         "SELECT 'c' || g, jsonb_build_object('n', g), now() + interval '3 s' + g * interval '4 ms' "
-        "FROM generate_series(1, 5000) g",
+        "FROM generate_series(1, $1) g",
+        rows,
     )
     env = FAST_FAILOVER | {
         "SCHEDULER_DATABASE_URL": pg_url,
@@ -87,14 +101,14 @@ def test_5000_publications_exactly_once_through_kills_and_a_stall(
     deadline = time.monotonic() + 30
     while leader_of(pg_url, replicas) is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    spare = iter(("r4", "r5", "r6"))
+    spare = (f"r{n}" for n in range(4, 100))
     events: list[str] = []
 
     def published() -> int:
         return int(scalar(pg_url, "SELECT count(*) FROM audit"))
 
-    for action, at_count in (("kill", 600), ("stop", 2000), ("kill", 3500)):
-        while published() < at_count:
+    for action, fraction in actions:
+        while published() < rows * fraction:
             time.sleep(0.05)
         leader = leader_of(pg_url, replicas)
         assert leader is not None
@@ -120,17 +134,17 @@ def test_5000_publications_exactly_once_through_kills_and_a_stall(
         "SELECT publication_id, count(*) FROM audit GROUP BY 1 HAVING count(*) > 1 LIMIT 5",
     )
     assert duplicates == [], f"published twice: {duplicates} ({events})"
-    assert scalar(pg_url, "SELECT count(*) FROM audit") == 5000
+    assert scalar(pg_url, "SELECT count(*) FROM audit") == rows
     assert (
         scalar(pg_url, "SELECT count(*) FROM scheduler_publications WHERE status = 'published'")
-        == 5000
+        == rows
     )
     assert (
         scalar(
             pg_url,
             "SELECT count(*) FROM scheduler_publications p JOIN audit a ON a.publication_id = p.id",
         )
-        == 5000
+        == rows
     )
     publishers = {row["by"] for row in fetch(pg_url, "SELECT DISTINCT by FROM audit")}
     assert len(publishers) >= 3, f"leadership must have moved: {publishers}"

@@ -6,9 +6,13 @@ then lent to other clients: no exclusion at all. The probe pins one server conne
 open transaction from a second client, then asks the first for its backend pid twice. A
 direct connection keeps its pid. Behind a transaction pooler the pid changes, or the
 statement waits for a free server connection (a pool of one), which the timeout catches.
+A prepared statement that vanished or already exists on the server session is the same
+evidence: asyncpg prepared it on one server session and is now talking to another.
 """
 
 from __future__ import annotations
+
+import asyncpg
 
 from ..db.postgres import PostgresStore
 
@@ -28,6 +32,8 @@ async def detect_transaction_pooler(store: PostgresStore) -> str | None:
             except TimeoutError:
                 return "a statement waited for another client's transaction to end"
         third = await subject.fetchval("SELECT pg_backend_pid()")
+    except (asyncpg.InvalidSQLStatementNameError, asyncpg.DuplicatePreparedStatementError) as exc:
+        return f"prepared statements moved between server sessions ({type(exc).__name__})"
     finally:
         for conn in (subject, pinner):
             conn.terminate()

@@ -7,6 +7,11 @@ work and the lock commit or roll back together, which is the fencing. There is n
 sticky: each tick competes afresh, so replicas take turns, which is harmless because
 due-ness is decided from database state.
 
+Only the tick's own transactions compete that way. A transaction opened by another task
+(a claimed slot's run, its result, a webhook delivery) is work this replica already owns in
+the database: it *waits* for the lock (``lock_timeout`` = ``stall_timeout``) rather than
+being dropped because another replica's tick held the lock for a moment.
+
 A leader frozen inside a transaction is cut off by the server after ``stall_timeout``
 (``idle_in_transaction_session_timeout``), which aborts its work and frees the lock.
 """
@@ -16,8 +21,11 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import asyncpg
 
 from ..config import Settings
 from ..db.postgres import PgTx, PostgresStore
@@ -27,22 +35,40 @@ from ..metrics import Metrics
 from .base import LeaseState, NotLeader
 
 Q = queries("postgres")
+T = TypeVar("T")
 
 
 class TransactionLease(LeaseState):
     def __init__(self, guard: TransactionGuard) -> None:
         super().__init__()
         self.guard = guard
+        self._tick_task: asyncio.Task[Any] | None = None
+
+    async def run_tick(self, tick: Callable[[], Awaitable[T]]) -> T:
+        async def marked() -> T:
+            self._tick_task = asyncio.current_task()  # its transactions compete
+            return await tick()
+
+        return await super().run_tick(marked)
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[PgTx]:
         guard = self.guard
+        competing = asyncio.current_task() is self._tick_task
         async with guard.store.pool.acquire() as conn, conn.transaction():
             stall_ms = int(guard.settings.lock.stall_timeout * 1000)
             await conn.execute(f"SET LOCAL idle_in_transaction_session_timeout = {stall_ms}")
-            if not await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", guard.key):
-                guard.note_leading(False)
-                raise NotLeader(guard.loop)
+            if competing:
+                if not await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", guard.key):
+                    guard.note_leading(False)
+                    raise NotLeader(guard.loop)
+            else:
+                await conn.execute(f"SET LOCAL lock_timeout = {stall_ms}")
+                try:
+                    await conn.execute("SELECT pg_advisory_xact_lock($1)", guard.key)
+                except asyncpg.LockNotAvailableError:
+                    raise NotLeader(guard.loop) from None
+                await conn.execute("SET LOCAL lock_timeout = DEFAULT")
             await conn.execute(
                 Q["leader_touch"],
                 guard.loop,
@@ -51,7 +77,8 @@ class TransactionLease(LeaseState):
                 socket.gethostname(),
                 os.getpid(),
             )
-            guard.note_leading(True)
+            if competing:
+                guard.note_leading(True)
             yield PgTx(conn)
 
 

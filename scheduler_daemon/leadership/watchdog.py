@@ -5,6 +5,7 @@ TCP session, so its lock would never free by itself. Every replica runs one watc
 ``heartbeat_interval`` it asks the database for a lock holder whose heartbeat is older than
 ``stall_timeout`` and terminates that backend, which frees the lock and aborts its open
 transaction. The judgement and the termination are one statement (``evict_stalled``).
+Session mode only: see :meth:`StallWatchdog.run` for transaction mode.
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ class StallWatchdog:
         self.stop = stop
 
     async def run(self) -> None:
+        if self.store.settings.lock.mode == "transaction":
+            # There the lock lives as long as one transaction, and nothing refreshes the
+            # leaders row while it runs: a healthy statement longer than stall_timeout
+            # would look stalled. A frozen holder is cut off by the server instead
+            # (idle_in_transaction_session_timeout = stall_timeout, set per transaction).
+            await self.stop.wait()
+            return
         while not await sleep_unless(self.stop, self.interval):
             for loop, key in self.keys.items():
                 try:

@@ -112,13 +112,15 @@ class PgBouncer:
         while True:
             assert self._process is not None
             if self._process.poll() is not None:
-                raise RuntimeError(f"pgbouncer exited with {self._process.returncode}\n{self.log()}")
+                raise RuntimeError(
+                    f"pgbouncer exited with {self._process.returncode}\n{self.log()}"
+                )
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
                     return
-            except OSError:
+            except OSError as exc:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"pgbouncer not listening after {timeout}s\n{self.log()}")
+                    raise RuntimeError(f"pgbouncer not listening: {exc}\n{self.log()}") from None
                 time.sleep(0.05)
 
     def log(self) -> str:

@@ -56,11 +56,16 @@ CREATE TABLE tick_log (
 RIG_APP = {"application_name": "scheduler-test-rig"}
 
 
-def pg_probe_sql(sleep: float = 0.05) -> str:
-    """Insert a row, hold the work open for `sleep` seconds, close the row: one transaction."""
+def pg_probe_sql(sleep: float = 0.05, instance: str | None = None) -> str:
+    """Insert a row, hold the work open for `sleep` seconds, close the row: one transaction.
+
+    The row names the session's application_name, unless `instance` is given (behind
+    PgBouncer the server session's application_name is not the client's).
+    """
+    who = "current_setting('application_name')" if instance is None else f"'{instance}'"
     return (
         "INSERT INTO tick_log (instance, started) "
-        "VALUES (current_setting('application_name'), clock_timestamp()); "
+        f"VALUES ({who}, clock_timestamp()); "
         f"SELECT pg_sleep({sleep}); "
         "UPDATE tick_log SET ended = clock_timestamp() WHERE id = currval('tick_log_id_seq')"
     )
