@@ -95,10 +95,10 @@ async def _sqlite_loops(store: Store, settings: Settings) -> dict[str, dict[str,
 
     assert isinstance(store, SqliteStore)
     async with store.conn.execute(queries("sqlite")["leaders"]) as cursor:
-        rows = {row["loop"]: row for row in await cursor.fetchall()}
+        rows = {(row["loop"], row["lock_key"]): row for row in await cursor.fetchall()}
     loops: dict[str, dict[str, Any]] = {}
     for loop, key in _loop_keys(settings).items():
-        row = rows.get(loop)
+        row = rows.get((loop, key))
         held = _flock_held(lock_path(store.path, loop))
         leader = None
         if held and row is not None:

@@ -46,7 +46,7 @@ WHERE status = 'scheduled'
 INSERT INTO scheduler_leaders
     (loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at)
 VALUES ($1, $2, $3, $4, $5, pg_backend_pid(), now(), now())
-ON CONFLICT (loop) DO UPDATE SET
+ON CONFLICT (loop, lock_key) DO UPDATE SET
     lock_key = EXCLUDED.lock_key, instance = EXCLUDED.instance,
     hostname = EXCLUDED.hostname, pid = EXCLUDED.pid, backend_pid = EXCLUDED.backend_pid,
     acquired_at = EXCLUDED.acquired_at, heartbeat_at = EXCLUDED.heartbeat_at
@@ -58,7 +58,7 @@ RETURNING backend_pid, acquired_at
 INSERT INTO scheduler_leaders AS l
     (loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at)
 VALUES ($1, $2, $3, $4, $5, pg_backend_pid(), now(), now())
-ON CONFLICT (loop) DO UPDATE SET
+ON CONFLICT (loop, lock_key) DO UPDATE SET
     lock_key = EXCLUDED.lock_key, hostname = EXCLUDED.hostname, pid = EXCLUDED.pid,
     backend_pid = EXCLUDED.backend_pid, heartbeat_at = EXCLUDED.heartbeat_at,
     acquired_at = CASE WHEN l.instance = EXCLUDED.instance THEN l.acquired_at
@@ -69,7 +69,7 @@ ON CONFLICT (loop) DO UPDATE SET
 -- Through the pool, not the lock connection: it proves that the database itself still sees
 -- our lock backend holding the key (pg_locks is the lock manager's own truth).
 UPDATE scheduler_leaders SET heartbeat_at = now()
-WHERE loop = $1 AND backend_pid = $2 AND instance = $3
+WHERE loop = $1 AND lock_key = $4 AND backend_pid = $2 AND instance = $3
   AND EXISTS (
     SELECT 1 FROM pg_locks
     WHERE locktype = 'advisory' AND granted AND pid = $2 AND objsubid = 1
@@ -79,7 +79,8 @@ WHERE loop = $1 AND backend_pid = $2 AND instance = $3
 RETURNING heartbeat_at
 
 -- name: leader_release
-DELETE FROM scheduler_leaders WHERE loop = $1 AND backend_pid = pg_backend_pid()
+DELETE FROM scheduler_leaders
+WHERE loop = $1 AND lock_key = $2 AND backend_pid = pg_backend_pid()
 
 -- name: evict_stalled
 -- Terminate the backend holding a loop's lock when its leader has gone silent: its
@@ -91,7 +92,8 @@ SELECT l.pid, s.instance, s.heartbeat_at, a.application_name,
        pg_terminate_backend(l.pid) AS terminated
 FROM pg_locks l
 JOIN pg_stat_activity a ON a.pid = l.pid
-LEFT JOIN scheduler_leaders s ON s.loop = $1 AND s.backend_pid = l.pid
+LEFT JOIN scheduler_leaders s
+    ON s.loop = $1 AND s.lock_key = $2 AND s.backend_pid = l.pid
 WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND l.classid = (($2::bigint >> 32) & 4294967295)::oid
@@ -110,7 +112,8 @@ SELECT l.pid, l.granted, a.application_name, a.backend_start, a.state,
        extract(epoch FROM now() - s.heartbeat_at)::float8 AS heartbeat_age
 FROM pg_locks l
 JOIN pg_stat_activity a ON a.pid = l.pid
-LEFT JOIN scheduler_leaders s ON s.loop = $1 AND s.backend_pid = l.pid
+LEFT JOIN scheduler_leaders s
+    ON s.loop = $1 AND s.lock_key = $2 AND s.backend_pid = l.pid
 WHERE l.locktype = 'advisory' AND l.objsubid = 1
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND l.classid = (($2::bigint >> 32) & 4294967295)::oid

@@ -46,7 +46,7 @@ INSERT INTO scheduler_leaders
     (loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at)
 VALUES (?, ?, ?, ?, ?, NULL, strftime('%Y-%m-%dT%H:%M:%fZ', 'now'),
         strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
-ON CONFLICT (loop) DO UPDATE SET
+ON CONFLICT (loop, lock_key) DO UPDATE SET
     lock_key = excluded.lock_key, instance = excluded.instance,
     hostname = excluded.hostname, pid = excluded.pid, backend_pid = NULL,
     acquired_at = excluded.acquired_at, heartbeat_at = excluded.heartbeat_at

@@ -36,28 +36,6 @@ from .base import LeaseState, Stopping, sleep_unless
 
 Q = queries("postgres")
 
-# The leaders row again, only where pg_locks shows backend $6 holding key $2 (see
-# SessionGuard._reclaim_row). Returns the instance whose row it replaced, if any.
-RECLAIM_ROW = """
-WITH held AS (
-    SELECT 1 FROM pg_locks
-    WHERE locktype = 'advisory' AND granted AND pid = $6 AND objsubid = 1
-      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-      AND classid = (($2::bigint >> 32) & 4294967295)::oid
-      AND objid = ($2::bigint & 4294967295)::oid
-), previous AS (
-    SELECT instance FROM scheduler_leaders WHERE loop = $1
-)
-INSERT INTO scheduler_leaders AS l
-    (loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at)
-SELECT $1, $2, $3, $4, $5, $6, $7, now() FROM held
-ON CONFLICT (loop) DO UPDATE SET
-    lock_key = EXCLUDED.lock_key, instance = EXCLUDED.instance,
-    hostname = EXCLUDED.hostname, pid = EXCLUDED.pid, backend_pid = EXCLUDED.backend_pid,
-    acquired_at = EXCLUDED.acquired_at, heartbeat_at = EXCLUDED.heartbeat_at
-RETURNING (SELECT instance FROM previous) AS previous
-"""
-
 
 def _discard_outcome(task: asyncio.Future[bool]) -> None:
     """Retrieve an abandoned heartbeat's outcome, so asyncio does not report it."""
@@ -82,7 +60,6 @@ class SessionLease(LeaseState):
         self.conn = conn
         self.backend_pid = backend_pid
         self.since = since
-        self.row_reclaims = 0  # see SessionGuard._reclaim_row
         # One user of the connection at a time: the tick's transaction or a heartbeat ping.
         self.conn_lock = asyncio.Lock()
 
@@ -236,33 +213,12 @@ class SessionGuard:
             self.settings.instance_id,
             self.key,
         )
-        if still_held is None and not await self._reclaim_row(lease):
+        if still_held is None:
             return False
         if not lease.conn_lock.locked():  # a tick proves the connection itself
             async with lease.conn_lock:
                 await lease.conn.fetchval("SELECT 1")
         return True
-
-    async def _reclaim_row(self, lease: SessionLease) -> bool:
-        """Our ``scheduler_leaders`` row is gone or names another backend. pg_locks decides
-        whether we still lead: a leader of the same loop under another lock key (a rolling
-        change of ``lock.keys``, or a second deployment) overwrites the row, which is keyed
-        by loop alone. If our backend still holds our key, put the row back and lead on."""
-        row = await self.store.pool.fetchrow(
-            RECLAIM_ROW,
-            self.loop,
-            self.key,
-            self.settings.instance_id,
-            socket.gethostname(),
-            os.getpid(),
-            lease.backend_pid,
-            lease.since,
-        )
-        if row is not None and row["previous"] is not None:
-            lease.row_reclaims += 1
-            log = self.log.warning if lease.row_reclaims == 1 else self.log.debug
-            log("leader.row_reclaimed", key=self.key, overwritten_by=row["previous"])
-        return row is not None
 
     def _lose(self, lease: SessionLease, reason: str) -> None:
         if lease.lose(reason):
@@ -276,7 +232,7 @@ class SessionGuard:
         if graceful:
             try:
                 async with asyncio.timeout(self.settings.database.connect_timeout):
-                    await lease.conn.execute(Q["leader_release"], self.loop)
+                    await lease.conn.execute(Q["leader_release"], self.loop, self.key)
                     await lease.conn.execute("SELECT pg_advisory_unlock($1)", self.key)
                     await lease.conn.close()
                 self.metrics.leadership_changes.labels(self.loop, "released").inc()

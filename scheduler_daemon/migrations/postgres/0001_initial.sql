@@ -82,13 +82,16 @@ CREATE TABLE scheduler_plugin_runs (
     CONSTRAINT scheduler_plugin_runs_slot_key UNIQUE (name, slot)
 );
 
+-- One row per lock: a loop under another key (a second deployment on the same database,
+-- a rolling change of lock.keys) has its own leader and its own row.
 CREATE TABLE scheduler_leaders (
-    loop         text PRIMARY KEY,
+    loop         text NOT NULL,
     lock_key     bigint NOT NULL,
     instance     text NOT NULL,
     hostname     text NOT NULL,
     pid          integer NOT NULL,
     backend_pid  integer,
     acquired_at  timestamptz NOT NULL,
-    heartbeat_at timestamptz NOT NULL
+    heartbeat_at timestamptz NOT NULL,
+    PRIMARY KEY (loop, lock_key)
 );

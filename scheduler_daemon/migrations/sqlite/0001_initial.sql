@@ -54,12 +54,13 @@ CREATE TABLE scheduler_plugin_runs (
 );
 
 CREATE TABLE scheduler_leaders (
-    loop         TEXT PRIMARY KEY,
+    loop         TEXT NOT NULL,
     lock_key     INTEGER NOT NULL,
     instance     TEXT NOT NULL,
     hostname     TEXT NOT NULL,
     pid          INTEGER NOT NULL,
     backend_pid  INTEGER,
     acquired_at  TEXT NOT NULL,
-    heartbeat_at TEXT NOT NULL
+    heartbeat_at TEXT NOT NULL,
+    PRIMARY KEY (loop, lock_key)
 );
