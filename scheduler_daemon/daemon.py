@@ -111,6 +111,9 @@ class Daemon:
             if store is None:
                 return EXIT_OK
             stack.push_async_callback(store.close)
+            # Before anything else talks to it: behind a transaction pooler even the
+            # migration could fail in confusing ways.
+            await self._refuse_unsafe_lock_mode(store)
             applied = await store.migrate()
             self.log.info(
                 "db.migrated",
@@ -120,8 +123,6 @@ class Daemon:
             )
             self.metrics.database_up.set(1)
             await self._serve_http(stack, store)
-
-            await self._refuse_unsafe_lock_mode(store)
 
             runners = {}
             for name in self.enabled_loops():

@@ -507,7 +507,8 @@ def test_transaction_mode_behind_pgbouncer_excludes(
 ) -> None:
     run_sync(create_tick_log(pg_url))
     url = _via_bouncer(pgbouncer, pg_url)
-    mode = {"SCHEDULER_LOCK__MODE": "transaction"}
+    # Per-tick leadership changes are logged at debug level in transaction mode.
+    mode = {"SCHEDULER_LOCK__MODE": "transaction", "SCHEDULER_LOG__LEVEL": "debug"}
     # Behind PgBouncer application_name is the pooler's business: name the instance in
     # the probe itself.
     replicas = [

@@ -175,7 +175,7 @@ def test_five_replicas_session_mode_never_overlap(pg_url: str, daemons: Daemons)
 
 def test_five_replicas_transaction_mode_never_overlap(pg_url: str, daemons: Daemons) -> None:
     run_sync(create_tick_log(pg_url))
-    env = {"SCHEDULER_LOCK__MODE": "transaction"}
+    env = {"SCHEDULER_LOCK__MODE": "transaction", "SCHEDULER_LOG__LEVEL": "debug"}
     replicas = [
         daemons.start(pg_env(pg_url, f"r{n}", **env), PLUGIN_ONLY, name=f"r{n}")
         for n in range(1, 6)
@@ -246,7 +246,11 @@ def test_healthy_work_longer_than_stall_timeout_is_not_evicted(
     """stall_timeout (3 s) judges a leader's heartbeat, not how long its work takes: a
     4 s SQL task runs to the end while a standby's watchdog looks on."""
     run_sync(create_tick_log(pg_url))
-    env = {"SCHEDULER_LOCK__MODE": mode, **probe_env(pg_probe_sql(4.0), every="10s")}
+    env = {
+        "SCHEDULER_LOCK__MODE": mode,
+        "SCHEDULER_LOG__LEVEL": "debug",
+        **probe_env(pg_probe_sql(4.0), every="10s"),
+    }
     replicas = [daemons.start(pg_env(pg_url, n, **env), PLUGIN_ONLY, name=n) for n in ("w1", "w2")]
     first_leader(replicas)
     wait_until_ticks(pg_url, 1, timeout=20)

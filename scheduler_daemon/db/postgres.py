@@ -97,11 +97,16 @@ class PostgresStore:
 
     @staticmethod
     def server_settings(settings: Settings, purpose: str) -> dict[str, str]:
-        return {
+        values = {
             # Shows up in pg_stat_activity, so `status` and operators can tell who is who.
             "application_name": f"scheduler-daemon/{settings.instance_id}/{purpose}"[:63],
-            "statement_timeout": str(int(settings.database.statement_timeout * 1000)),
         }
+        # A transaction pooler refuses most startup parameters (PgBouncer: "unsupported
+        # startup parameter"), and session settings would leak to its other clients; in
+        # transaction mode each transaction sets its own timeout instead (SET LOCAL).
+        if settings.lock.mode == "session":
+            values["statement_timeout"] = str(int(settings.database.statement_timeout * 1000))
+        return values
 
     async def connect_dedicated(
         self, purpose: str, extra_settings: Mapping[str, str] | None = None

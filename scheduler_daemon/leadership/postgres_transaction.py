@@ -57,7 +57,11 @@ class TransactionLease(LeaseState):
         competing = asyncio.current_task() is self._tick_task
         async with guard.store.pool.acquire() as conn, conn.transaction():
             stall_ms = int(guard.settings.lock.stall_timeout * 1000)
-            await conn.execute(f"SET LOCAL idle_in_transaction_session_timeout = {stall_ms}")
+            statement_ms = int(guard.settings.database.statement_timeout * 1000)
+            await conn.execute(
+                f"SET LOCAL idle_in_transaction_session_timeout = {stall_ms}; "
+                f"SET LOCAL statement_timeout = {statement_ms}"
+            )
             if competing:
                 if not await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", guard.key):
                     guard.note_leading(False)
@@ -110,7 +114,8 @@ class TransactionGuard:
         self.metrics.leader.labels(self.loop).set(int(leading))
         event = "acquired" if leading else "lost"
         self.metrics.leadership_changes.labels(self.loop, event).inc()
-        self.log.info(f"leader.{event}", key=self.key, mode="transaction")
+        # Per-tick locks change hands routinely here: worth a debug line, not an info one.
+        self.log.debug(f"leader.{event}", key=self.key, mode="transaction")
 
     @asynccontextmanager
     async def leadership(self) -> AsyncIterator[TransactionLease]:

@@ -144,7 +144,9 @@ class PublishWork:
         them the interval still bounds lateness."""
         from ..db.postgres import PostgresStore
 
-        if not isinstance(self.store, PostgresStore):
+        if not isinstance(self.store, PostgresStore) or self.settings.lock.mode != "session":
+            # Transaction mode is for transaction poolers, through which LISTEN cannot
+            # work (the notification arrives on whichever server session ran it).
             return
         if self._listener is not None and not self._listener.is_closed():
             return
