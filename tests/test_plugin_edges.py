@@ -63,3 +63,33 @@ def test_a_sql_task_past_its_own_timeout_is_timed_out(daemons: Daemons, pg_url: 
     process.wait_for_log("task.timed_out", task="long", timeout=30)
     rows = fetch(pg_url, "SELECT status FROM scheduler_plugin_runs WHERE name = 'long'")
     assert rows == [{"status": "timed_out"}]
+
+
+@pytest.mark.postgres
+def test_a_leader_killed_mid_statement_frees_its_lock_promptly(
+    daemons: Daemons, pg_url: str
+) -> None:
+    """The server only notices a dead client between statements, unless it checks: the
+    lock connection sets client_connection_check_interval, so a standby takes over while
+    the dead leader's 60 s statement would still be running."""
+    task = {"name": "long", "every": "1h", "timeout": "2m", "sql": "SELECT pg_sleep(60)"}
+    env = {"SCHEDULER_DATABASE_URL": pg_url, "SCHEDULER_PLUGIN__TASKS": json.dumps([task])}
+    first = daemons.start(
+        env | {"SCHEDULER_INSTANCE_ID": "first"}, args=["run", "--only", "plugin"]
+    )
+    first.wait_for_log("task.started", task="long")
+    second = daemons.start(
+        env | {"SCHEDULER_INSTANCE_ID": "second"}, args=["run", "--only", "plugin"]
+    )
+    second.wait_for_log("leader.waiting")
+    killed = time.monotonic()
+    first.signal(signal.SIGKILL)
+    second.wait_for_log("leader.acquired", timeout=20)
+    took = time.monotonic() - killed
+    print(f"takeover after SIGKILL mid-statement: {took:.2f} s")
+    assert took < 15, "the lock must not wait for the dead leader's statement to end"
+    abandoned = fetch(
+        pg_url,
+        "SELECT status FROM scheduler_plugin_runs WHERE name = 'long' AND instance = 'first'",
+    )
+    assert abandoned == [{"status": "abandoned"}] or abandoned == [{"status": "running"}]

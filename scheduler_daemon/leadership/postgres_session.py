@@ -96,6 +96,10 @@ class SessionGuard:
             f"lock:{self.loop}", session_keepalive_settings(self.settings)
         )
         try:
+            if conn.get_server_version() >= (14, 0):
+                # A leader killed mid-statement: without this the server notices the closed
+                # socket only when the statement ends, and holds the lock until then.
+                await conn.execute("SET client_connection_check_interval = 1000")
             await self._wait_for_lock(conn)
             row = await conn.fetchrow(
                 Q["leader_claim"],
