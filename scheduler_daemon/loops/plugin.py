@@ -117,7 +117,7 @@ class PluginWork:
                 self.metrics.plugin_runs.labels(row["name"], "abandoned").inc()
                 log.warning(
                     "task.abandoned", task=row["name"], slot=row["slot"].isoformat(),
-                    instance=row["instance"],
+                    run_instance=row["instance"],  # `instance` names the logger
                 )  # fmt: skip
 
     async def _due_claims(
