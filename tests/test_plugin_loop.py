@@ -507,7 +507,7 @@ async def test_takeover_abandons_runs_left_running(
     assert (abandoned["slot"], abandoned["instance"]) == (slot, "dead-replica")
     assert abandoned["finished_at"] is not None
     assert "lost the lock" in abandoned["error"]
-    assert events(logs, "task.abandoned", task="crashed", instance="dead-replica")
+    assert events(logs, "task.abandoned", task="crashed", run_instance="dead-replica")
 
 
 # -- operating tasks ------------------------------------------------------------------
