@@ -140,8 +140,6 @@ class Daemon:
                 runners[name] = LoopRunner(
                     work, guard, interval, self.stopping, self.log, self.metrics
                 )
-                if isinstance(work, PublishWork):  # new rows due sooner wake the runner
-                    work.wake = runners[name].wake
             tasks: dict[str, asyncio.Task[None]] = {
                 name: asyncio.create_task(runner.run(), name=f"loop:{name}")
                 for name, runner in runners.items()

@@ -56,7 +56,7 @@ async def connect(settings: Settings, log: Logger) -> Store:
             )
         except Exception as exc:
             error = redact(f"{type(exc).__name__}: {exc}")
-            if not _is_transient(exc):
+            if not is_transient(exc):
                 raise DatabaseUnavailable(f"database {settings.database_url}: {error}") from None
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -75,16 +75,27 @@ async def connect(settings: Settings, log: Logger) -> Store:
             await asyncio.sleep(delay)
 
 
-def _is_transient(exc: BaseException) -> bool:
-    """Errors worth retrying at startup: the server is down, starting, or unreachable.
-
-    Authentication failures and unknown databases are configuration problems: retrying
-    them for a minute would only hide the message.
+def is_transient(exc: BaseException) -> bool:
+    """Errors that say "not now" rather than "never": the server is down, starting,
+    unreachable or busy; a deadlock, serialization failure, lock or statement timeout.
+    Worth retrying later. Authentication failures, unknown databases and bad data are not:
+    retrying would only hide the message.
     """
+    import sqlite3
+
     import asyncpg
 
     if isinstance(exc, OSError | TimeoutError | ConnectionError):
         return True
-    if isinstance(exc, asyncpg.CannotConnectNowError | asyncpg.TooManyConnectionsError):
-        return True
-    return isinstance(exc, asyncpg.PostgresConnectionError | asyncpg.InterfaceError)
+    if isinstance(exc, sqlite3.OperationalError):
+        return "locked" in str(exc) or "busy" in str(exc)
+    return isinstance(
+        exc,
+        asyncpg.PostgresConnectionError
+        | asyncpg.InterfaceError
+        | asyncpg.CannotConnectNowError
+        | asyncpg.TooManyConnectionsError
+        | asyncpg.TransactionRollbackError
+        | asyncpg.LockNotAvailableError
+        | asyncpg.QueryCanceledError,
+    )

@@ -265,9 +265,18 @@ UPDATE scheduler_publications
 SET status = 'failed', published_at = NULL, last_error = $2
 WHERE id = $1
 
+-- name: publication_undelivered
+-- Its database effects were committed (published_at stays); its webhook never arrived.
+UPDATE scheduler_publications
+SET status = 'failed', last_error = $2
+WHERE id = $1 AND status = 'published'
+
 -- name: next_due_in
+-- `skipped`: rows that were due when this transaction began and yet were not taken, i.e.
+-- locked by another transaction (SKIP LOCKED); the caller waits a little for them.
 SELECT extract(epoch FROM min(publish_at) - clock_timestamp())::float8 AS seconds,
-       extract(epoch FROM clock_timestamp())::float8 AS db_epoch
+       extract(epoch FROM clock_timestamp())::float8 AS db_epoch,
+       coalesce(bool_or(publish_at <= now()), false) AS skipped
 FROM scheduler_publications WHERE status = 'scheduled'
 
 -- name: notify_published

@@ -36,10 +36,20 @@ def to_db_time(value: datetime) -> str:
     return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def from_db_time(value: str | None) -> datetime | None:
+def from_db_time(value: str | float | None) -> datetime | None:
+    """Our own writes are ISO 8601; rows written by hand may hold anything julianday()
+    accepts (the schema's CHECK), such as a Julian day number."""
     if value is None:
         return None
-    parsed = datetime.fromisoformat(value.replace(" ", "T"))
+    if isinstance(value, int | float):
+        return from_julian_day(float(value))
+    try:
+        parsed = datetime.fromisoformat(value.replace(" ", "T"))
+    except ValueError:
+        try:
+            return from_julian_day(float(value))
+        except ValueError:
+            raise ValueError(f"not a time SQLite understands here: {value!r}") from None
     return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
 
 
@@ -182,7 +192,10 @@ class SqliteStore:
                     # is cancelled (a timed-out SQL task, a shutdown): stop it, or the
                     # ROLLBACK queued behind it would wait for ever.
                     await self.conn.interrupt()
-                await self.conn.execute("ROLLBACK")
+                # An interrupted write has already been rolled back by SQLite itself; a
+                # second ROLLBACK would fail and hide the original exception.
+                if self.conn.in_transaction:
+                    await self.conn.execute("ROLLBACK")
                 raise
             await self.conn.execute("COMMIT")
 

@@ -210,9 +210,17 @@ UPDATE scheduler_publications
 SET status = 'failed', published_at = NULL, last_error = ?2
 WHERE id = ?1
 
+-- name: publication_undelivered
+-- Its database effects were committed (published_at stays); its webhook never arrived.
+UPDATE scheduler_publications
+SET status = 'failed', last_error = ?2
+WHERE id = ?1 AND status = 'published'
+
 -- name: next_due_in
+-- SQLite has a single writer, so nothing due is ever skipped.
 SELECT (min(julianday(publish_at)) - julianday('now')) * 86400.0 AS seconds,
-       (julianday('now') - 2440587.5) * 86400.0 AS db_epoch
+       (julianday('now') - 2440587.5) * 86400.0 AS db_epoch,
+       0 AS skipped
 FROM scheduler_publications WHERE status = 'scheduled'
 
 -- name: outbox_add

@@ -13,6 +13,7 @@ import asyncio
 import functools
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,6 +36,8 @@ class LoopWork(Protocol):
     (None: the configured interval)."""
 
     name: str
+    # Set by the runner: call it to start the next tick now (from any callback).
+    wake: Callable[[], None]
 
     async def tick(self, tick: Tick) -> float | None: ...
 
@@ -62,6 +65,7 @@ class LoopRunner:
         self.metrics = metrics
         self.started = asyncio.Event()
         self._wake = asyncio.Event()
+        work.wake = self.wake
         self._numbers = itertools.count(1)
 
     def wake(self) -> None:
@@ -95,6 +99,9 @@ class LoopRunner:
 
     async def _lead(self, lease: Lease) -> None:
         while not self.stop.is_set() and not lease.lost.is_set():
+            # Cleared before the tick, not before the sleep: a wake-up that arrives while
+            # the tick runs (a row scheduled after it read its snapshot) is kept.
+            self._wake.clear()
             number = next(self._numbers)
             tick = Tick(self.work.name, number, self.log.bind(tick=number), lease)
             started = time.monotonic()
@@ -121,7 +128,6 @@ class LoopRunner:
             await self._sleep(self.interval if delay is None else min(delay, self.interval), lease)
 
     async def _sleep(self, seconds: float, lease: Lease | None) -> None:
-        self._wake.clear()
         events = [self.stop, self._wake] + ([lease.lost] if lease else [])
         waiters = [asyncio.ensure_future(event.wait()) for event in events]
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -58,6 +59,7 @@ class PluginWork:
         self.metrics = metrics
         self.sticky = sticky  # a lease lasts until lost (session mode, SQLite)
         self.running: dict[str, asyncio.Task[None]] = {}
+        self.wake: Callable[[], None] = lambda: None  # the runner sets its own
         self._lease: Lease | None = None
 
     async def tick(self, tick: Tick) -> float | None:
@@ -207,7 +209,9 @@ class PluginWork:
         # a spinning loop; one on a paused task waits for `tasks resume`.
         if self._capacity_left(claimed) > 0 and any(row["trigger_requested_at"] for row in live):
             return 0.0
-        if not upcoming:
+        if not upcoming or self._capacity_left(claimed) <= 0:
+            # Every place is taken: what is due waits for a run to finish, which wakes the
+            # loop (see _start), not for a spinning tick.
             return None
         earliest: datetime = min(upcoming)
         return max(0.0, (earliest - now).total_seconds())
@@ -215,7 +219,11 @@ class PluginWork:
     def _start(self, claim: Claim, lease: Lease, log: Logger) -> None:
         task = asyncio.create_task(self._run(claim, lease, log), name=f"task:{claim.spec.name}")
         self.running[claim.spec.name] = task
-        task.add_done_callback(lambda _: self.running.pop(claim.spec.name, None))
+        task.add_done_callback(lambda _: self._finished(claim.spec.name))
+
+    def _finished(self, name: str) -> None:
+        self.running.pop(name, None)
+        self.wake()  # a place is free: something due may be waiting for it
 
     async def _run(self, claim: Claim, lease: Lease, log: Logger) -> None:
         spec = claim.spec

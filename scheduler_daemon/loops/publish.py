@@ -23,6 +23,7 @@ from typing import Any
 
 from ..config import Settings
 from ..db.base import Store, Tx
+from ..db.connect import is_transient
 from ..leadership import Lease
 from ..logs import Logger
 from ..metrics import Metrics
@@ -32,6 +33,7 @@ from .base import Tick
 
 WAKE_CHANNEL = "scheduler_publications_due"
 LISTEN_RETRY = 30.0
+LOCKED_ROWS_RETRY = 0.5
 
 
 class PublishWork:
@@ -50,7 +52,7 @@ class PublishWork:
         self.publishers = publishers
         self.metrics = metrics
         self.log = log.bind(loop=self.name)
-        self.wake: Callable[[], None] = lambda: None  # set by the daemon to the runner's
+        self.wake: Callable[[], None] = lambda: None  # the runner sets its own
         self._lease: Lease | None = None
         self._listener: Any = None  # asyncpg connection with the LISTEN
         self._deliverer: WebhookDeliverer | None = None
@@ -84,6 +86,9 @@ class PublishWork:
         self._db_clock_offset = upcoming["db_epoch"] - time.time()
         delay: float | None = upcoming["seconds"]
         delay = None if delay is None else max(delay, 0.0)
+        if upcoming["skipped"]:
+            # Due rows another transaction holds locked: retry soon, not in a tight loop.
+            delay = max(delay or 0.0, LOCKED_ROWS_RETRY)
         horizon = (
             self.settings.publish.interval
             if delay is None
@@ -103,6 +108,8 @@ class PublishWork:
                     await publisher.publish(tx, batch)
             return {}
         except Exception as exc:
+            if is_transient(exc):
+                raise  # roll the whole batch back; the next tick publishes it again
             log.warning("publish.batch_failed", size=len(batch), error=_describe(exc))
         failed: dict[int, str] = {}
         for row in batch:
@@ -111,6 +118,8 @@ class PublishWork:
                     for publisher in self.publishers:
                         await publisher.publish(tx, [row])
             except Exception as exc:
+                if is_transient(exc):
+                    raise  # a deadlock or timeout says nothing about this row's data
                 error = _describe(exc)
                 failed[row.id] = error
                 await tx.fetch("publication_fail", row.id, error)
