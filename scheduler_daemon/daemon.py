@@ -195,6 +195,10 @@ class Daemon:
         if not isinstance(store, PostgresStore) or not loops:
             return None
         lock = self.settings.lock
+        if lock.mode != "session":
+            # No heartbeats to judge by: idle_in_transaction_session_timeout, set on every
+            # transaction-mode transaction, is what ends a frozen client's lock.
+            return None
         return StallWatchdog(
             store,
             {name: self._lock_key(name) for name in loops},

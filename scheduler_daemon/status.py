@@ -94,8 +94,8 @@ async def _sqlite_loops(store: Store, settings: Settings) -> dict[str, dict[str,
     from .db.sqlite import SqliteStore
 
     assert isinstance(store, SqliteStore)
-    async with store.conn.execute(queries("sqlite")["leaders"]) as cursor:
-        rows = {(row["loop"], row["lock_key"]): row for row in await cursor.fetchall()}
+    async with store.transaction() as tx:
+        rows = {(row["loop"], row["lock_key"]): row for row in await tx.fetch("leaders")}
     loops: dict[str, dict[str, Any]] = {}
     for loop, key in _loop_keys(settings).items():
         row = rows.get((loop, key))
@@ -106,8 +106,8 @@ async def _sqlite_loops(store: Store, settings: Settings) -> dict[str, dict[str,
                 "instance": row["instance"],
                 "host": row["hostname"],
                 "pid": row["pid"],
-                "since": row["acquired_at"],
-                "last_heartbeat": row["heartbeat_at"],
+                "since": _iso(row["acquired_at"]),
+                "last_heartbeat": _iso(row["heartbeat_at"]),
                 "heartbeat_age": row["heartbeat_age"],
             }
         # Waiting processes poll the lock file; they are not visible from outside.

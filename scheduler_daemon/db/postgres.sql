@@ -47,7 +47,7 @@ INSERT INTO scheduler_leaders
     (loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at)
 VALUES ($1, $2, $3, $4, $5, pg_backend_pid(), now(), now())
 ON CONFLICT (loop, lock_key) DO UPDATE SET
-    lock_key = EXCLUDED.lock_key, instance = EXCLUDED.instance,
+    instance = EXCLUDED.instance,
     hostname = EXCLUDED.hostname, pid = EXCLUDED.pid, backend_pid = EXCLUDED.backend_pid,
     acquired_at = EXCLUDED.acquired_at, heartbeat_at = EXCLUDED.heartbeat_at
 RETURNING backend_pid, acquired_at
@@ -59,7 +59,7 @@ INSERT INTO scheduler_leaders AS l
     (loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at)
 VALUES ($1, $2, $3, $4, $5, pg_backend_pid(), now(), now())
 ON CONFLICT (loop, lock_key) DO UPDATE SET
-    lock_key = EXCLUDED.lock_key, hostname = EXCLUDED.hostname, pid = EXCLUDED.pid,
+    hostname = EXCLUDED.hostname, pid = EXCLUDED.pid,
     backend_pid = EXCLUDED.backend_pid, heartbeat_at = EXCLUDED.heartbeat_at,
     acquired_at = CASE WHEN l.instance = EXCLUDED.instance THEN l.acquired_at
                        ELSE EXCLUDED.acquired_at END,

@@ -47,16 +47,17 @@ INSERT INTO scheduler_leaders
 VALUES (?, ?, ?, ?, ?, NULL, strftime('%Y-%m-%dT%H:%M:%fZ', 'now'),
         strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
 ON CONFLICT (loop, lock_key) DO UPDATE SET
-    lock_key = excluded.lock_key, instance = excluded.instance,
+    instance = excluded.instance,
     hostname = excluded.hostname, pid = excluded.pid, backend_pid = NULL,
     acquired_at = excluded.acquired_at, heartbeat_at = excluded.heartbeat_at
 
 -- name: leader_heartbeat
 UPDATE scheduler_leaders SET heartbeat_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
-WHERE loop = ? AND instance = ? AND pid = ?
+WHERE loop = ?1 AND lock_key = ?2 AND instance = ?3 AND pid = ?4
 
 -- name: leader_release
-DELETE FROM scheduler_leaders WHERE loop = ? AND instance = ? AND pid = ?
+DELETE FROM scheduler_leaders
+WHERE loop = ?1 AND lock_key = ?2 AND instance = ?3 AND pid = ?4
 
 -- name: leaders
 SELECT loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at,

@@ -22,7 +22,11 @@ PROBE_TIMEOUT = 2.0
 async def detect_transaction_pooler(store: PostgresStore) -> str | None:
     """Return why the connection looks pooled per transaction, or None if it does not."""
     subject = await store.connect_dedicated("pooler-probe")
-    pinner = await store.connect_dedicated("pooler-probe")
+    try:
+        pinner = await store.connect_dedicated("pooler-probe")
+    except BaseException:
+        subject.terminate()
+        raise
     try:
         first = await subject.fetchval("SELECT pg_backend_pid()")
         async with pinner.transaction():

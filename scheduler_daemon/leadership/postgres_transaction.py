@@ -73,15 +73,15 @@ class TransactionLease(LeaseState):
                 except asyncpg.LockNotAvailableError:
                     raise NotLeader(guard.loop) from None
                 await conn.execute("SET LOCAL lock_timeout = DEFAULT")
-            await conn.execute(
-                Q["leader_touch"],
-                guard.loop,
-                guard.key,
-                guard.settings.instance_id,
-                socket.gethostname(),
-                os.getpid(),
-            )
-            if competing:
+            if competing:  # a tick, not a run recording its result: that is leading
+                await conn.execute(
+                    Q["leader_touch"],
+                    guard.loop,
+                    guard.key,
+                    guard.settings.instance_id,
+                    socket.gethostname(),
+                    os.getpid(),
+                )
                 guard.note_leading(True)
             yield PgTx(conn)
 

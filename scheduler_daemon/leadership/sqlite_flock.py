@@ -96,7 +96,9 @@ class FlockGuard:
                 self.metrics.leader.labels(self.loop).set(0)
                 with suppress(Exception):
                     async with self.store.write_transaction() as conn:
-                        await conn.execute(Q["leader_release"], (self.loop, *self._identity))
+                        await conn.execute(
+                            Q["leader_release"], (self.loop, self.key, *self._identity)
+                        )
                 self.metrics.leadership_changes.labels(self.loop, "released").inc()
                 self.log.info("leader.released")
         finally:
@@ -120,7 +122,9 @@ class FlockGuard:
             await asyncio.sleep(self.settings.lock.heartbeat_interval)
             try:
                 async with self.store.write_transaction() as conn:
-                    await conn.execute(Q["leader_heartbeat"], (self.loop, *self._identity))
+                    await conn.execute(
+                        Q["leader_heartbeat"], (self.loop, self.key, *self._identity)
+                    )
             except Exception as exc:
                 self.metrics.heartbeat_failures.labels(self.loop).inc()
                 self.log.warning("leader.heartbeat_failed", error=f"{type(exc).__name__}: {exc}")
