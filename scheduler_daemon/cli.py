@@ -191,7 +191,7 @@ def schedule(config_file: Path | None, at: str, payload: str, key: str | None) -
         raise InvalidInput(f"--payload is not valid JSON: {exc}") from None
 
     async def main() -> None:
-        async with Client.connect(settings) as client:
+        async with Client.connect(settings, get_logger(instance=settings.instance_id)) as client:
             result = await client.schedule(when, data, key=key)
         if not result.created:
             click.echo(f"key {key!r} already scheduled as id {result.publication.id}", err=True)
@@ -209,7 +209,7 @@ def cancel(config_file: Path | None, publication_id: int) -> None:
     settings = _settings(config_file)
 
     async def main() -> None:
-        async with Client.connect(settings) as client:
+        async with Client.connect(settings, get_logger(instance=settings.instance_id)) as client:
             publication = await client.cancel(publication_id)
         click.echo(json.dumps(_describe(publication)))
 

@@ -18,8 +18,9 @@ from typing import Any
 
 from .config import Settings
 from .db import Publication, ScheduleResult, Store
-from .db.connect import open_store
+from .db.connect import connect
 from .errors import InvalidInput
+from .logs import Logger, get_logger
 
 
 class Client:
@@ -29,8 +30,11 @@ class Client:
 
     @classmethod
     @asynccontextmanager
-    async def connect(cls, settings: Settings) -> AsyncIterator[Client]:
-        store = await open_store(settings)
+    async def connect(cls, settings: Settings, log: Logger | None = None) -> AsyncIterator[Client]:
+        """Open the store, retrying within ``database.startup_budget``; past it, raise
+        :class:`~scheduler_daemon.errors.DatabaseUnavailable` (password redacted)."""
+        log = log or get_logger(instance=settings.instance_id)
+        store = await connect(settings, log)
         try:
             yield cls(store, settings.publish.max_payload_bytes)
         finally:

@@ -14,7 +14,8 @@ import socket
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -33,7 +34,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from .db.url import DatabaseUrl
+from .db.url import REDACTED, DatabaseUrl
 from .errors import ConfigError
 
 CONFIG_FILE_ENV = "SCHEDULER_CONFIG"
@@ -150,8 +151,24 @@ class SqlPublisherSettings(Section):
         return params
 
 
+def redact_webhook_url(url: str) -> str:
+    """Scheme and host only (``https://hooks.example.com/***``): hook URLs often carry
+    their secret in the user info, the path or the query."""
+    try:
+        parts = urlsplit(url.strip())
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return REDACTED
+    if not parts.scheme or not host:
+        return REDACTED
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{parts.scheme}://{host}{f':{port}' if port else ''}/{REDACTED}"
+
+
 class WebhookPublisherSettings(Section):
-    url: str | None = None
+    # A SecretStr: Slack-style hook URLs carry their token in the path.
+    url: SecretStr | None = None
     secret: SecretStr | None = None
     timeout: Duration = 10.0
     max_attempts: int = Field(default=8, ge=1)
@@ -179,7 +196,10 @@ class PublishSettings(Section):
             raise ValueError("a publisher is listed twice")
         if "sql" in self.publishers and not self.sql.statement:
             raise ValueError("publisher 'sql' needs publish.sql.statement")
-        if "webhook" in self.publishers and not (self.webhook.url and self.webhook.secret):
+        webhook = self.webhook
+        if "webhook" in self.publishers and not (
+            webhook.url and webhook.url.get_secret_value() and webhook.secret
+        ):
             raise ValueError("publisher 'webhook' needs publish.webhook.url and .secret")
         return self
 
@@ -340,6 +360,9 @@ class Settings(BaseSettings):
         """The effective config as plain data, safe to print or serve."""
         data = self.model_dump(mode="json")
         data["database_url"] = self.database_url.redacted
+        url = self.publish.webhook.url
+        if url is not None:
+            data["publish"]["webhook"]["url"] = redact_webhook_url(url.get_secret_value())
         return data
 
 
@@ -368,8 +391,44 @@ def _task_names(file_values: Mapping[str, Any]) -> list[Any]:
     return [task.get("name") if isinstance(task, dict) else None for task in tasks]
 
 
+_SECRET_NAME = re.compile(r"(secret|password|url|token)$", re.I)
+
+
+def _is_secret(loc: list[str], value: Any) -> bool:
+    """Whether a failed value may carry a secret: by its field's name or type."""
+    if isinstance(value, SecretStr | DatabaseUrl):
+        return True
+    if any(_SECRET_NAME.search(part) for part in loc):
+        return True
+    return _field_is_secret(loc)
+
+
+def _types_in(annotation: Any) -> list[Any]:
+    """``annotation`` and every type nested in it (``X | None``, ``list[X]``, …)."""
+    found = [annotation]
+    for arg in get_args(annotation):
+        found += _types_in(arg)
+    return found
+
+
+def _field_is_secret(loc: list[str]) -> bool:
+    """Follow ``loc`` through the settings models; true if it reaches a secret-typed field."""
+    model: Any = Settings
+    for part in loc:
+        fields = getattr(model, "model_fields", {})
+        if part not in fields:
+            continue  # a list index or a union member tag: stay on the same model
+        types = _types_in(fields[part].annotation)
+        if any(t in (SecretStr, DatabaseUrl) for t in types):
+            return True
+        models = [t for t in types if isinstance(t, type) and issubclass(t, BaseModel)]
+        model = models[0] if models else None
+    return False
+
+
 def _describe(error: Mapping[str, Any], task_names: list[Any]) -> str:
-    parts = [str(part) for part in error["loc"]]
+    loc = [str(part) for part in error["loc"]]
+    parts = list(loc)
     if parts[:2] == ["plugin", "tasks"] and len(parts) > 2 and parts[2].isdigit():
         index = int(parts[2])
         if index < len(task_names) and task_names[index]:
@@ -379,8 +438,9 @@ def _describe(error: Mapping[str, Any], task_names: list[Any]) -> str:
     if error["type"] == "extra_forbidden":
         return f"{location}: unknown key"
     value = error.get("input")
-    if location == "database_url" or isinstance(value, dict | list):
-        # A URL may hold a password; a whole section or list is noise. Never echo either.
+    if _is_secret(loc, value) or isinstance(value, dict | list):
+        # A URL, token or password must not reach a terminal or a log; a whole section or
+        # list is noise. Never echo either.
         return f"{location}: {message}"
     return f"{location}: {message} (got {value!r})"
 

@@ -2,7 +2,7 @@
 
 Every line carries ``event`` (a stable dotted name, listed in docs/operations.md) and
 ``instance``; loop lines add ``loop`` and ``tick``. Passwords are scrubbed from every
-string value as the last step before rendering, whatever put them there.
+value (tracebacks included) as the last step before rendering, whatever put them there.
 """
 
 from __future__ import annotations
@@ -20,10 +20,27 @@ from .db.url import redact
 Logger = FilteringBoundLogger
 
 
+def _scrub(value: Any) -> Any:
+    """``value`` with passwords removed from every string in it; other objects become
+    their (scrubbed) ``repr``, which is what both renderers would have printed."""
+    if isinstance(value, str):
+        return redact(value)
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, dict):
+        return {key: _scrub(item) for key, item in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_scrub(item) for item in value]
+    if hasattr(value, "__structlog__"):
+        return _scrub(value.__structlog__())
+    return redact(repr(value))
+
+
 def _redact_secrets(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
+    # Runs after format_exc_info, so a traceback (an exception message holding a DSN) is
+    # a string here and is scrubbed like any other value.
     for key, value in event_dict.items():
-        if isinstance(value, str):
-            event_dict[key] = redact(value)
+        event_dict[key] = _scrub(value)
     return event_dict
 
 
@@ -36,14 +53,13 @@ def configure_logging(settings: LogSettings, stream: TextIO | None = None) -> No
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    # Tracebacks become text before the redaction step, in both formats: ConsoleRenderer's
+    # own exception formatting would run after it and print an unscrubbed message.
+    processors += [structlog.processors.format_exc_info, _redact_secrets]
     if as_json:
-        processors += [
-            structlog.processors.format_exc_info,
-            _redact_secrets,
-            structlog.processors.JSONRenderer(),
-        ]
+        processors.append(structlog.processors.JSONRenderer())
     else:
-        processors += [_redact_secrets, structlog.dev.ConsoleRenderer(colors=stream.isatty())]
+        processors.append(structlog.dev.ConsoleRenderer(colors=stream.isatty()))
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(

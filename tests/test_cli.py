@@ -73,6 +73,21 @@ def test_check_config_prints_the_effective_config_without_secrets(tmp_path: Path
     assert "purge_publications" in names
 
 
+def test_check_config_redacts_the_webhook_url(tmp_path: Path) -> None:
+    env = {
+        "SCHEDULER_PUBLISH__PUBLISHERS": '["webhook"]',
+        "SCHEDULER_PUBLISH__WEBHOOK__URL": "https://bot:pa55@hooks.example.com/T0/B0/t0ken",
+        "SCHEDULER_PUBLISH__WEBHOOK__SECRET": "s3cr3t-hmac",
+    }
+    result = run_cli(["check-config"], env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for secret in ("pa55", "t0ken", "s3cr3t-hmac", "bot:"):
+        assert secret not in result.stdout
+    webhook = json.loads(result.stdout)["publish"]["webhook"]
+    assert webhook["url"] == "https://hooks.example.com/***"
+    assert webhook["secret"] == "**********"
+
+
 def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -96,6 +111,27 @@ def test_unreachable_database_retries_then_exits_69(daemons: Daemons) -> None:
     assert "hunter2" not in output
     assert "app:***@" in output
     assert "database.startup_budget" in output.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["schedule", "--at", "+1h"], ["cancel", "1"], ["tasks", "list"], ["tasks", "pause", "x"]],
+)
+def test_one_shot_commands_exit_69_when_the_database_is_down(
+    tmp_path: Path, args: list[str]
+) -> None:
+    url = f"postgresql://app:hunter2@127.0.0.1:{_closed_port()}/app"
+    env = {"SCHEDULER_DATABASE_URL": url, "SCHEDULER_DATABASE__STARTUP_BUDGET": "1s"}
+    result = run_cli(args, env, cwd=tmp_path)
+    assert result.returncode == 69, result.stderr
+    assert "hunter2" not in result.stderr + result.stdout
+    assert "Traceback" not in result.stderr
+    # Retries are logged as JSON events; the refusal itself is one plain line, last.
+    lines = result.stderr.strip().splitlines()
+    plain = [line for line in lines if not line.startswith("{")]
+    assert plain == [lines[-1]], result.stderr
+    assert lines[-1].startswith("scheduler-daemon: database postgresql://app:***@127.0.0.1:")
+    assert "database.startup_budget" in lines[-1]
 
 
 def test_sigterm_during_startup_retries_exits_promptly(daemons: Daemons) -> None:

@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
+import io
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
+import structlog
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import SecretStr
 
 from scheduler_daemon.config import (
+    LogSettings,
     Settings,
+    _describe,
     load_settings,
     lock_key_from_name,
     parse_duration,
     parse_lock_key,
+    redact_webhook_url,
 )
 from scheduler_daemon.db.url import DatabaseUrl, redact
 from scheduler_daemon.errors import ConfigError
+from scheduler_daemon.logs import configure_logging, get_logger
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -244,3 +251,100 @@ def test_duplicate_task_names_do_not_dump_the_list(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_settings(write(tmp_path, toml))
     assert str(info.value) == "invalid config: plugin.tasks: duplicate task name 'a'"
+
+
+@pytest.mark.parametrize(
+    "toml",
+    [
+        "[publish.webhook]\nsecret = 123456789\n",
+        "[publish.webhook]\nurl = 123456789\n",
+        "[publish.webhook]\nurl = ['https://u:123456789@hooks.example.com/x']\n",
+        "database_url = 123456789\n",
+    ],
+)
+def test_invalid_secret_values_are_never_echoed(tmp_path: Path, toml: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, toml))
+    message = str(info.value)
+    assert "123456789" not in message
+    assert message.startswith("invalid config: ")
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("loc", "value"),
+    [
+        (("publish", "webhook", "secret"), 123456789),
+        (("plugin", "api_token"), 123456789),
+        (("extra", "db_password"), 123456789),
+        (("x", "callback_url"), 123456789),
+        (("x", "database_url"), 123456789),
+        (("x", "plain"), SecretStr("123456789")),
+    ],
+)
+def test_describe_hides_secret_bearing_fields(loc: tuple[str, ...], value: Any) -> None:
+    error = {"loc": loc, "msg": "Input should be a valid string", "type": "string_type"}
+    described = _describe({**error, "input": value}, [])
+    assert "123456789" not in described
+    assert described.startswith(".".join(loc))
+    # A field that carries no secret still shows what was wrong.
+    assert "(got 5)" in _describe({**error, "loc": ("publish", "url_style"), "input": 5}, [])
+
+
+def test_webhook_url_is_secret_and_redacted(monkeypatch: pytest.MonkeyPatch) -> None:
+    url = "https://user:pw123@hooks.example.com:8443/services/T000/B000/XXtokenXX?sig=abc"
+    monkeypatch.setenv("SCHEDULER_PUBLISH__PUBLISHERS", '["webhook"]')
+    monkeypatch.setenv("SCHEDULER_PUBLISH__WEBHOOK__URL", url)
+    monkeypatch.setenv("SCHEDULER_PUBLISH__WEBHOOK__SECRET", "hmac-key")
+    settings = load_settings()
+    assert settings.publish.webhook.url is not None
+    assert settings.publish.webhook.url.get_secret_value() == url
+    shown = settings.redacted()
+    assert shown["publish"]["webhook"]["url"] == "https://hooks.example.com:8443/***"
+    for text in (str(shown), repr(settings), settings.model_dump_json()):
+        for secret in ("pw123", "XXtokenXX", "sig=abc", "hmac-key", "user:"):
+            assert secret not in text
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("https://hooks.slack.com/services/T0/B0/tok", "https://hooks.slack.com/***"),
+        ("http://u:p@[::1]:8080/x", "http://[::1]:8080/***"),
+        ("not a url at all", "***"),
+        ("https:///path-only", "***"),
+    ],
+)
+def test_redact_webhook_url(url: str, shown: str) -> None:
+    assert redact_webhook_url(url) == shown
+
+
+def test_webhook_publisher_still_needs_url_and_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SCHEDULER_PUBLISH__PUBLISHERS", '["webhook"]')
+    monkeypatch.setenv("SCHEDULER_PUBLISH__WEBHOOK__SECRET", "hmac-key")
+    with pytest.raises(ConfigError, match=r"needs publish\.webhook\.url and \.secret"):
+        load_settings()
+    monkeypatch.setenv("SCHEDULER_PUBLISH__WEBHOOK__URL", "")
+    with pytest.raises(ConfigError, match=r"needs publish\.webhook\.url and \.secret"):
+        load_settings()
+    monkeypatch.setenv("SCHEDULER_PUBLISH__WEBHOOK__URL", "https://hooks.example.com/x")
+    assert load_settings().publish.webhook.url is not None
+
+
+@pytest.mark.parametrize("fmt", ["console", "json"])
+def test_logged_tracebacks_are_scrubbed(fmt: Literal["console", "json"]) -> None:
+    stream = io.StringIO()
+    try:
+        configure_logging(LogSettings(format=fmt), stream=stream)
+        try:
+            raise RuntimeError("cannot reach postgresql://u:pw@h/db")
+        except RuntimeError:
+            dsn = "postgresql://u:pw@h/db"
+            get_logger(instance="t").exception("boom", nested={"to": [dsn]}, error=OSError(dsn))
+    finally:
+        structlog.reset_defaults()
+    output = stream.getvalue()
+    assert "boom" in output
+    assert "RuntimeError" in output, "the traceback is still logged"
+    assert "pw@" not in output
+    assert "u:***@h/db" in output

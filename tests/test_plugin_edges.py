@@ -92,3 +92,33 @@ def test_a_leader_killed_mid_statement_frees_its_lock_promptly(
     runs = fetch(pg_url, "SELECT name, status FROM scheduler_plugin_runs WHERE instance = 'first'")
     assert {"name": "long", "status": "abandoned"} in runs
     assert {run["status"] for run in runs} == {"abandoned"}
+
+
+@pytest.mark.postgres
+def test_a_deposed_leader_with_a_stuck_sync_task_exits_instead_of_running_beside_the_new(
+    daemons: Daemons, pg_url: str
+) -> None:
+    """SIGSTOP gets the leader evicted; on SIGCONT its sync task (which ignores
+    ctx.cancelled) is still running: the process must exit 70, not become a standby."""
+    task = {"name": "stuck", "every": "1h", "target": "plugin_targets:block_forever"}
+    env = {
+        "SCHEDULER_DATABASE_URL": pg_url,
+        "SCHEDULER_PLUGIN__TASKS": json.dumps([task]),
+        "SCHEDULER_LOCK__HEARTBEAT_INTERVAL": "0.5",
+        "SCHEDULER_LOCK__STALL_TIMEOUT": "3",
+        "SCHEDULER_LOCK__KEEPALIVE_IDLE": "2",
+        "SCHEDULER_LOCK__KEEPALIVE_INTERVAL": "1",
+        "SCHEDULER_LOCK__KEEPALIVE_COUNT": "2",
+        "SCHEDULER_LOCK__TCP_USER_TIMEOUT": "3",
+        "PYTHONPATH": TESTS,
+    }
+    leader = daemons.start(env | {"SCHEDULER_INSTANCE_ID": "a"}, args=["run", "--only", "plugin"])
+    leader.wait_for_log("task.started", task="stuck")
+    standby = daemons.start(env | {"SCHEDULER_INSTANCE_ID": "b"}, args=["run", "--only", "plugin"])
+    standby.wait_for_log("leader.waiting")
+    leader.signal(signal.SIGSTOP)
+    standby.wait_for_log("leader.acquired", timeout=30)
+    leader.signal(signal.SIGCONT)
+    assert leader.wait(timeout=30) == 70
+    died = leader.wait_for_log("loop.died")
+    assert "stuck" in died["error"]

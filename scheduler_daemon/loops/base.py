@@ -23,6 +23,10 @@ from ..logs import Logger
 from ..metrics import Metrics
 
 
+class FatalLoopError(Exception):
+    """The loop cannot go on safely in this process; the daemon exits (code 70)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Tick:
     loop: str
@@ -85,14 +89,18 @@ class LoopRunner:
                     finally:
                         graceful = self.stop.is_set() and not lease.lost.is_set()
                         await self.work.leadership_ended(graceful)
+                if not lease.lost.is_set():
+                    continue  # a stop: the loop condition ends it
+                # Lost between ticks (heartbeat, eviction): the same pause as mid-tick.
+                self.log.warning("leader.stepped_down", reason=lease.reason)
             except Stopping:
                 break
+            except FatalLoopError:
+                raise
             except LeadershipLost as lost:
                 self.log.warning("leader.stepped_down", reason=lost.reason)
             except Exception as exc:  # the database is unreachable, restarting, …
                 self.log.warning("loop.db_error", error=f"{type(exc).__name__}: {exc}")
-            else:
-                continue
             # Back to standby after a pause, so a flapping database is not hammered.
             await self._sleep(backoff.next_delay(), lease=None)
         self.log.info("loop.stopped")

@@ -15,11 +15,13 @@ marks whatever is still ``running`` as ``abandoned`` when it takes over.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from ..config import Settings
@@ -30,11 +32,13 @@ from ..metrics import Metrics
 from ..plugins.context import TaskContext
 from ..plugins.schedule import Plan, plan
 from ..plugins.tasks import TaskSpec
-from .base import Tick
+from .base import FatalLoopError, Tick
 
 # Grace on top of a run's timeout before a running row from another replica is presumed
 # dead (transaction mode, where no takeover moment tells us).
 ABANDON_GRACE = 30.0
+# How long a deposed leader waits for its sync targets' threads to notice ctx.cancelled.
+THREAD_GRACE = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +63,9 @@ class PluginWork:
         self.metrics = metrics
         self.sticky = sticky  # a lease lasts until lost (session mode, SQLite)
         self.running: dict[str, asyncio.Task[None]] = {}
+        # Threads of sync targets, which cancellation cannot stop: a task whose thread is
+        # still alive is still running, whatever became of the task that awaited it.
+        self.threads: dict[str, threading.Thread] = {}
         self.wake: Callable[[], None] = lambda: None  # the runner sets its own
         self._lease: Lease | None = None
 
@@ -95,6 +102,26 @@ class PluginWork:
             for task in running:
                 task.cancel()
             await asyncio.wait(running)
+        if not graceful:
+            await self._deposed_threads_stop()
+
+    async def _deposed_threads_stop(self) -> None:
+        """A deposed leader must stop working, and a sync target can only be asked to
+        (``ctx.cancelled``). One that has not stopped within THREAD_GRACE would run on
+        beside the new leader's runs: end this process instead (the supervisor restarts
+        it), rather than compete for leadership again while it runs."""
+        deadline = time.monotonic() + THREAD_GRACE
+        for thread in list(self.threads.values()):
+            if (remaining := deadline - time.monotonic()) > 0:
+                await asyncio.to_thread(thread.join, remaining)
+        if alive := self._alive_threads():
+            raise FatalLoopError(
+                f"sync task(s) {', '.join(sorted(alive))} still running {THREAD_GRACE:g}s "
+                "after leadership was lost; exiting so they cannot run beside the new leader"
+            )
+
+    def _alive_threads(self) -> list[str]:
+        return [name for name, thread in self.threads.items() if thread.is_alive()]
 
     async def _take_over(self, tx: Tx, now: datetime, log: Logger) -> None:
         """First tick of a leadership: bring task rows in line with the configuration,
@@ -185,7 +212,7 @@ class PluginWork:
         return Claim(spec, slot, rows[0]["id"])
 
     async def _in_flight(self, tx: Tx, spec: TaskSpec, now: datetime) -> bool:
-        if spec.name in self.running:
+        if spec.name in self.running or spec.name in self._alive_threads():
             return True
         if self.sticky:
             return False  # takeover abandoned every other leader's runs
@@ -241,7 +268,7 @@ class PluginWork:
                         # little past it, so our deadline fires first: timed_out.
                         await tx.execute(spec.sql, statement_timeout=spec.timeout + 1.0)
                 else:
-                    await spec.call(ctx)
+                    await spec.call(ctx, on_thread=partial(self.threads.__setitem__, spec.name))
         except TimeoutError as exc:
             if not deadline.expired():  # the target's own TimeoutError: a failure
                 status, error = "failed", f"{type(exc).__name__}: {exc}"

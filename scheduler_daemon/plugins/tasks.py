@@ -63,20 +63,28 @@ class TaskSpec:
         except (TypeError, ValueError):
             return True
 
-    async def call(self, ctx: TaskContext) -> None:
-        """Run a Python target: coroutine functions on the loop, others in a thread."""
+    async def call(
+        self, ctx: TaskContext, on_thread: Callable[[threading.Thread], None] | None = None
+    ) -> None:
+        """Run a Python target: coroutine functions on the loop, others in a thread (handed
+        to ``on_thread``: the caller must know it may outlive the awaiting task)."""
         assert self.target is not None
         args = (ctx,) if self.wants_context else ()
         if self.is_async:
             await self.target(*args)
             return
-        result = await run_in_daemon_thread(self.target, args, name=f"task:{self.name}")
+        result = await run_in_daemon_thread(
+            self.target, args, name=f"task:{self.name}", on_thread=on_thread
+        )
         if inspect.isawaitable(result):  # a plain function that returned a coroutine
             await result
 
 
 async def run_in_daemon_thread(
-    function: Callable[..., Any], args: tuple[Any, ...], name: str
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    name: str,
+    on_thread: Callable[[threading.Thread], None] | None = None,
 ) -> Any:
     """Like ``asyncio.to_thread``, but on a daemon thread of its own.
 
@@ -104,7 +112,10 @@ async def run_in_daemon_thread(
         else:
             loop.call_soon_threadsafe(settle, None, result)
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    if on_thread is not None:
+        on_thread(thread)
     return await future
 
 

@@ -26,8 +26,9 @@ from typing import Any
 import aiohttp
 
 from .. import __version__
-from ..config import WebhookPublisherSettings
+from ..config import WebhookPublisherSettings, redact_webhook_url
 from ..db.base import Tx
+from ..db.connect import Backoff
 from ..leadership import Lease
 from ..leadership.base import sleep_unless
 from ..logs import Logger
@@ -61,7 +62,7 @@ class WebhookDeliverer:
         assert settings.url is not None
         assert settings.secret is not None
         self.settings = settings
-        self.url = settings.url
+        self.url = settings.url.get_secret_value()
         self.secret = settings.secret.get_secret_value().encode()
         self.metrics = metrics
         self.log = log
@@ -74,18 +75,34 @@ class WebhookDeliverer:
     async def run(self, lease: Lease) -> None:
         """Deliver until cancelled (the publish loop cancels it when leadership ends)."""
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout)
+        backoff = Backoff(initial=0.5, maximum=IDLE_RECHECK)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
-                async with lease.transaction() as tx:
-                    due = await tx.fetch("outbox_due", self.settings.concurrency * 4)
-                    if not due:
-                        row = (await tx.fetch("outbox_next_in"))[0]
-                if due:
-                    await self._deliver_batch(session, lease, due)
-                    continue
-                self.poke.clear()
-                wait = IDLE_RECHECK if row["seconds"] is None else max(row["seconds"], 0.0)
-                await sleep_unless(self.poke, min(wait, IDLE_RECHECK))
+                try:
+                    wait = await self._deliver_due(session, lease)
+                    backoff.reset()
+                except Exception as exc:
+                    # The database restarting, the lock busy (transaction mode): the owed
+                    # rows stay in the outbox; try again, never give up silently.
+                    wait = backoff.next_delay()
+                    self.log.warning(
+                        "webhook.deliverer_error", error=f"{type(exc).__name__}: {exc}",
+                        retry_in=round(wait, 3),
+                    )  # fmt: skip
+                if wait > 0:
+                    self.poke.clear()
+                    await sleep_unless(self.poke, wait)
+
+    async def _deliver_due(self, session: aiohttp.ClientSession, lease: Lease) -> float:
+        """Deliver one round of due rows; return how long to wait before the next."""
+        async with lease.transaction() as tx:
+            due = await tx.fetch("outbox_due", self.settings.concurrency * 4)
+            if not due:
+                seconds = (await tx.fetch("outbox_next_in"))[0]["seconds"]
+        if due:
+            await self._deliver_batch(session, lease, due)
+            return 0.0
+        return IDLE_RECHECK if seconds is None else min(max(seconds, 0.0), IDLE_RECHECK)
 
     async def _deliver_batch(
         self, session: aiohttp.ClientSession, lease: Lease, rows: list[dict[str, Any]]
@@ -120,7 +137,9 @@ class WebhookDeliverer:
                     return None
                 return f"HTTP {response.status}"
         except (aiohttp.ClientError, TimeoutError) as exc:
-            return f"{type(exc).__name__}: {exc}"
+            # Some aiohttp errors quote the URL, whose path may carry a token.
+            error = f"{type(exc).__name__}: {exc}"
+            return error.replace(self.url, redact_webhook_url(self.url))
 
     async def _record(self, tx: Tx, row: dict[str, Any], error: str | None) -> None:
         publication_id, attempts = row["id"], row["attempts"] + 1
@@ -130,7 +149,7 @@ class WebhookDeliverer:
             log.info("webhook.delivered")
         elif attempts >= self.settings.max_attempts:
             await tx.fetch("outbox_failed", publication_id, error)
-            await tx.fetch("publication_fail", publication_id, f"webhook: {error}")
+            await tx.fetch("publication_undelivered", publication_id, f"webhook: {error}")
             self.metrics.publications_failed.inc()
             log.error("webhook.failed", error=error)
         else:
