@@ -82,8 +82,9 @@ CREATE TABLE scheduler_plugin_runs (
     CONSTRAINT scheduler_plugin_runs_slot_key UNIQUE (name, slot)
 );
 
--- One row per lock: a loop under another key (a second deployment on the same database,
--- a rolling change of lock.keys) has its own leader and its own row.
+-- One row per lock: during a rolling change of lock.keys, the old and the new key each have
+-- a leader, and neither overwrites the other's row. (Two independent deployments need two
+-- databases or schemas: tasks and publications are not separated by key.)
 CREATE TABLE scheduler_leaders (
     loop         text NOT NULL,
     lock_key     bigint NOT NULL,
