@@ -20,6 +20,7 @@ from contextlib import AsyncExitStack
 from typing import Any, Literal, TypeVar
 
 from . import db
+from .aio import unless_set
 from .config import Settings
 from .db.connect import connect
 from .errors import EXIT_OK, ConfigError
@@ -224,16 +225,8 @@ class Daemon:
 
     async def _until_stopped(self, startup: Coroutine[Any, Any, T]) -> T | None:
         """Await a startup step unless a stop is requested first (then return None)."""
-        step = asyncio.ensure_future(startup)
-        stop = asyncio.ensure_future(self.stopping.wait())
-        try:
-            await asyncio.wait([step, stop], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-            if not step.done():
-                step.cancel()
-            await asyncio.gather(stop, step, return_exceptions=True)
-        return step.result() if step.done() and not step.cancelled() else None
+        step = await unless_set(startup, self.stopping)
+        return None if step.cancelled() else step.result()
 
     async def _monitor(self, tasks: Mapping[str, asyncio.Task[None]]) -> int:
         if not tasks:

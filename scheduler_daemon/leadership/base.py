@@ -16,9 +16,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
+from ..aio import unless_set
+from ..config import Settings
 from ..db.base import Tx
+from ..logs import Logger
+from ..metrics import Metrics
 
 T = TypeVar("T")
 
@@ -62,6 +66,31 @@ class Guard(Protocol):
         ...
 
 
+StoreT = TypeVar("StoreT")
+
+
+class GuardBase(Generic[StoreT]):
+    """What every guard is given (see ``make_guard``), held the same way by each."""
+
+    def __init__(
+        self,
+        loop: str,
+        key: int,
+        store: StoreT,
+        settings: Settings,
+        log: Logger,
+        metrics: Metrics,
+        stop: asyncio.Event,
+    ) -> None:
+        self.loop = loop
+        self.key = key
+        self.store = store
+        self.settings = settings
+        self.log = log.bind(loop=loop)
+        self.metrics = metrics
+        self.stop = stop
+
+
 class LeaseState:
     """Loss signalling and tick cancellation, common to every lease."""
 
@@ -86,25 +115,7 @@ class LeaseState:
         async def call() -> T:
             return await tick()
 
-        task = asyncio.create_task(call())
-        lost = asyncio.create_task(self.lost.wait())
-        try:
-            await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            lost.cancel()
-            if not task.done():
-                task.cancel()
-            await asyncio.wait({task, lost})
-        if task.cancelled():
+        outcome = await unless_set(call(), self.lost)
+        if outcome.cancelled():
             raise LeadershipLost(self.reason or "lost")
-        return task.result()
-
-
-async def sleep_unless(event: asyncio.Event, seconds: float) -> bool:
-    """Sleep up to ``seconds``; return True early if ``event`` is set."""
-    try:
-        async with asyncio.timeout(seconds):
-            await event.wait()
-    except TimeoutError:
-        return False
-    return True
+        return outcome.result()

@@ -27,12 +27,13 @@ from datetime import datetime
 
 import asyncpg
 
+from ..aio import unless_set, wait_any
 from ..config import Settings
 from ..db.postgres import PgTx, PostgresStore
 from ..db.sqlfiles import queries
 from ..logs import Logger
 from ..metrics import Metrics
-from .base import LeaseState, Stopping, sleep_unless
+from .base import GuardBase, LeaseState, Stopping
 
 Q = queries("postgres")
 
@@ -69,7 +70,7 @@ class SessionLease(LeaseState):
             yield PgTx(self.conn)
 
 
-class SessionGuard:
+class SessionGuard(GuardBase[PostgresStore]):
     def __init__(
         self,
         loop: str,
@@ -80,14 +81,8 @@ class SessionGuard:
         metrics: Metrics,
         stop: asyncio.Event,
     ) -> None:
-        self.loop = loop
-        self.key = key
-        self.store = store
-        self.settings = settings
+        super().__init__(loop, key, store, settings, log, metrics, stop)
         self.lock = settings.lock
-        self.log = log.bind(loop=loop)
-        self.metrics = metrics
-        self.stop = stop
         self.current: SessionLease | None = None
 
     @asynccontextmanager
@@ -134,7 +129,7 @@ class SessionGuard:
         self.log.info("leader.waiting", key=self.key, standby=self.lock.standby)
         if self.lock.standby == "poll":
             while not await conn.fetchval("SELECT pg_try_advisory_lock($1)", self.key):
-                if await sleep_unless(self.stop, self.lock.poll_interval):
+                if await wait_any([self.stop], self.lock.poll_interval):
                     raise Stopping
             return
         recheck = self.lock.standby_recheck
@@ -153,17 +148,9 @@ class SessionGuard:
         ``lock_timeout`` answer would never arrive.
         """
         timeout = recheck + self.settings.database.connect_timeout
-        waiting = asyncio.ensure_future(
-            conn.execute("SELECT pg_advisory_lock($1)", self.key, timeout=timeout)
+        waiting = await unless_set(
+            conn.execute("SELECT pg_advisory_lock($1)", self.key, timeout=timeout), self.stop
         )
-        stopping = asyncio.ensure_future(self.stop.wait())
-        try:
-            await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopping.cancel()
-            if not waiting.done():
-                waiting.cancel()  # asyncpg sends the server a cancel request
-            await asyncio.wait({waiting, stopping})
         if waiting.cancelled():
             raise Stopping
         try:

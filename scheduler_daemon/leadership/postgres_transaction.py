@@ -32,7 +32,7 @@ from ..db.postgres import PgTx, PostgresStore
 from ..db.sqlfiles import queries
 from ..logs import Logger
 from ..metrics import Metrics
-from .base import LeaseState, NotLeader
+from .base import GuardBase, LeaseState, NotLeader
 
 Q = queries("postgres")
 T = TypeVar("T")
@@ -86,7 +86,7 @@ class TransactionLease(LeaseState):
             yield PgTx(conn)
 
 
-class TransactionGuard:
+class TransactionGuard(GuardBase[PostgresStore]):
     def __init__(
         self,
         loop: str,
@@ -97,12 +97,7 @@ class TransactionGuard:
         metrics: Metrics,
         stop: asyncio.Event,
     ) -> None:
-        self.loop = loop
-        self.key = key
-        self.store = store
-        self.settings = settings
-        self.log = log.bind(loop=loop)
-        self.metrics = metrics
+        super().__init__(loop, key, store, settings, log, metrics, stop)
         self.leading = False
 
     def note_leading(self, leading: bool) -> None:

@@ -19,12 +19,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
+from ..aio import wait_any
 from ..config import Settings
 from ..db.sqlfiles import queries
 from ..db.sqlite import SqliteStore, SqliteTx
 from ..logs import Logger
 from ..metrics import Metrics
-from .base import LeaseState, Stopping, sleep_unless
+from .base import GuardBase, LeaseState, Stopping
 
 Q = queries("sqlite")
 POLL_INTERVAL = 0.05  # local file lock: cheap to try, and takeover should feel instant
@@ -45,7 +46,7 @@ class FlockLease(LeaseState):
             yield tx
 
 
-class FlockGuard:
+class FlockGuard(GuardBase[SqliteStore]):
     def __init__(
         self,
         loop: str,
@@ -56,13 +57,7 @@ class FlockGuard:
         metrics: Metrics,
         stop: asyncio.Event,
     ) -> None:
-        self.loop = loop
-        self.key = key
-        self.store = store
-        self.settings = settings
-        self.log = log.bind(loop=loop)
-        self.metrics = metrics
-        self.stop = stop
+        super().__init__(loop, key, store, settings, log, metrics, stop)
         self.path = lock_path(store.path, loop)
         self._identity = (settings.instance_id, os.getpid())
 
@@ -112,7 +107,7 @@ class FlockGuard:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return
             except BlockingIOError:
-                if await sleep_unless(self.stop, POLL_INTERVAL):
+                if await wait_any([self.stop], POLL_INTERVAL):
                     raise Stopping from None
 
     async def _heartbeat(self) -> None:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 
+from ..aio import wait_any
 from ..db.postgres import PostgresStore
 from ..db.sqlfiles import queries
 from ..logs import Logger
 from ..metrics import Metrics
-from .base import sleep_unless
 
 Q = queries("postgres")
 
@@ -49,7 +49,7 @@ class StallWatchdog:
             # (idle_in_transaction_session_timeout = stall_timeout, set per transaction).
             await self.stop.wait()
             return
-        while not await sleep_unless(self.stop, self.interval):
+        while not await wait_any([self.stop], self.interval):
             for loop, key in self.keys.items():
                 try:
                     await self.check(loop, key)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..aio import wait_any
 from ..db.connect import Backoff
 from ..leadership import Guard, LeadershipLost, Lease, NotLeader, Stopping
 from ..logs import Logger
@@ -137,12 +138,4 @@ class LoopRunner:
 
     async def _sleep(self, seconds: float, lease: Lease | None) -> None:
         events = [self.stop, self._wake] + ([lease.lost] if lease else [])
-        waiters = [asyncio.ensure_future(event.wait()) for event in events]
-        try:
-            await asyncio.wait(
-                waiters, timeout=max(seconds, 0), return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
-            await asyncio.gather(*waiters, return_exceptions=True)
+        await wait_any(events, seconds)

@@ -26,11 +26,11 @@ from typing import Any
 import aiohttp
 
 from .. import __version__
+from ..aio import wait_any
 from ..config import WebhookPublisherSettings, redact_webhook_url
 from ..db.base import Tx
 from ..db.connect import Backoff
 from ..leadership import Lease
-from ..leadership.base import sleep_unless
 from ..logs import Logger
 from ..metrics import Metrics
 from .base import Published
@@ -91,7 +91,7 @@ class WebhookDeliverer:
                     )  # fmt: skip
                 if wait > 0:
                     self.poke.clear()
-                    await sleep_unless(self.poke, wait)
+                    await wait_any([self.poke], wait)
 
     async def _deliver_due(self, session: aiohttp.ClientSession, lease: Lease) -> float:
         """Deliver one round of due rows; return how long to wait before the next."""
