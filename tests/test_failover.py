@@ -28,42 +28,26 @@ from rig.processes import DaemonProcess, Daemons, run_cli
 from rig.tcpproxy import TcpProxy
 from rig.ticks import (
     FAST_TIMINGS,
+    PLUGIN_ONLY,
     RIG_APP,
     assert_no_overlap,
     create_tick_log,
     event_time,
     first_leader,
+    pg_env,
     pg_probe_sql,
     pg_ticks,
     probe_env,
     python_probe_env,
     python_ticks,
+    stop_all,
     wait_for_event,
 )
 
 from scheduler_daemon.config import DEFAULT_PLUGIN_KEY, DEFAULT_PUBLISH_KEY
 
-PLUGIN_ONLY = ("run", "--only", "plugin")
 STALL_TIMEOUT = float(FAST_TIMINGS["SCHEDULER_LOCK__STALL_TIMEOUT"])
 HEARTBEAT = float(FAST_TIMINGS["SCHEDULER_LOCK__HEARTBEAT_INTERVAL"])
-
-
-def pg_env(url: str, instance: str, sleep: float = 0.05, **extra: str) -> dict[str, str]:
-    return {
-        "SCHEDULER_DATABASE_URL": url,
-        "SCHEDULER_INSTANCE_ID": instance,
-        **FAST_TIMINGS,
-        **probe_env(pg_probe_sql(sleep)),
-        **extra,
-    }
-
-
-def stop_all(processes: list[DaemonProcess]) -> None:
-    running = [p for p in processes if p.poll() is None]
-    for process in running:
-        process.signal(signal.SIGTERM)
-    for process in running:
-        assert process.wait(30) == 0, process.output()[-3000:]
 
 
 async def _fetch(dsn: str, sql: str, *args: Any) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ from rig.databases import run_sync
 from rig.processes import DaemonProcess, Daemons, run_cli
 from rig.ticks import (
     FAST_TIMINGS,
+    PLUGIN_ONLY,
     RIG_APP,
     SQLITE_PROBE_SQL,
     Interval,
@@ -29,37 +30,18 @@ from rig.ticks import (
     create_sqlite_tick_log,
     create_tick_log,
     first_leader,
+    pg_env,
     pg_probe_sql,
     pg_ticks,
     probe_env,
     python_probe_env,
     python_ticks,
     sqlite_tick_count,
+    stop_all,
     wait_for_event,
 )
 
 from scheduler_daemon.config import DEFAULT_PLUGIN_KEY, DEFAULT_PUBLISH_KEY, lock_key_from_name
-
-PLUGIN_ONLY = ("run", "--only", "plugin")
-
-
-def pg_env(url: str, instance: str, **extra: str) -> dict[str, str]:
-    return {
-        "SCHEDULER_DATABASE_URL": url,
-        "SCHEDULER_INSTANCE_ID": instance,
-        **FAST_TIMINGS,
-        **probe_env(pg_probe_sql()),
-        **extra,
-    }
-
-
-def stop_all(processes: list[DaemonProcess]) -> None:
-    """SIGTERM everyone still running, then require a clean exit (0) from each."""
-    running = [p for p in processes if p.poll() is None]
-    for process in running:
-        process.signal(signal.SIGTERM)
-    for process in running:
-        assert process.wait(30) == 0, process.output()[-3000:]
 
 
 async def lock_holders(dsn: str, key: int) -> list[dict[str, Any]]:

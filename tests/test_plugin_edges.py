@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from rig.processes import Daemons
 from rig.sql import fetch
+from rig.ticks import FAST_TIMINGS
 
 TESTS = str(Path(__file__).resolve().parent)
 
@@ -104,12 +105,7 @@ def test_a_deposed_leader_with_a_stuck_sync_task_exits_instead_of_running_beside
     env = {
         "SCHEDULER_DATABASE_URL": pg_url,
         "SCHEDULER_PLUGIN__TASKS": json.dumps([task]),
-        "SCHEDULER_LOCK__HEARTBEAT_INTERVAL": "0.5",
-        "SCHEDULER_LOCK__STALL_TIMEOUT": "3",
-        "SCHEDULER_LOCK__KEEPALIVE_IDLE": "2",
-        "SCHEDULER_LOCK__KEEPALIVE_INTERVAL": "1",
-        "SCHEDULER_LOCK__KEEPALIVE_COUNT": "2",
-        "SCHEDULER_LOCK__TCP_USER_TIMEOUT": "3",
+        **FAST_TIMINGS,
         "PYTHONPATH": TESTS,
     }
     leader = daemons.start(env | {"SCHEDULER_INSTANCE_ID": "a"}, args=["run", "--only", "plugin"])

@@ -25,13 +25,14 @@ import asyncpg
 import pytest
 from plugin_targets import PROBE_DDL, PROBE_TABLE, TARGETS_ENV
 from rig.processes import DaemonProcess, Daemons
+from rig.ticks import FAST_TIMINGS
 
 pytestmark = [pytest.mark.postgres, pytest.mark.processes]
 
 TASK = "beat"
 PERIOD = 1.0
-HEARTBEAT_INTERVAL = 0.5
-STALL_TIMEOUT = 3.0
+HEARTBEAT_INTERVAL = float(FAST_TIMINGS["SCHEDULER_LOCK__HEARTBEAT_INTERVAL"])
+STALL_TIMEOUT = float(FAST_TIMINGS["SCHEDULER_LOCK__STALL_TIMEOUT"])
 # How long the schedule may stall across one failover: a stalled leader is evicted once
 # its heartbeat is STALL_TIMEOUT old (checked every HEARTBEAT_INTERVAL), then the new
 # leader's first tick runs the (missed) slot. A few seconds on top for a loaded machine.
@@ -59,15 +60,7 @@ def replica_env(pg_url: str, instance: str) -> dict[str, str]:
         "SCHEDULER_PLUGIN__INTERVAL": "0.1",
         "SCHEDULER_PLUGIN__TASKS": json.dumps(tasks),
         "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
-        "SCHEDULER_LOCK__HEARTBEAT_INTERVAL": str(HEARTBEAT_INTERVAL),
-        "SCHEDULER_LOCK__STALL_TIMEOUT": str(STALL_TIMEOUT),
-        # The leader steps down after 2 x 0.5 s; the server must not free its lock before
-        # that + 1 s (see LockSettings): min(2 + 1 x 2, 4) = 4 s.
-        "SCHEDULER_LOCK__KEEPALIVE_IDLE": "2",
-        "SCHEDULER_LOCK__KEEPALIVE_INTERVAL": "1",
-        "SCHEDULER_LOCK__KEEPALIVE_COUNT": "2",
-        "SCHEDULER_LOCK__TCP_USER_TIMEOUT": "4",
-        "SCHEDULER_LOCK__STANDBY_RECHECK": "2",
+        **FAST_TIMINGS,
     }
 
 

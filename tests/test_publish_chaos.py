@@ -13,16 +13,7 @@ import time
 import pytest
 from rig.processes import DaemonProcess, Daemons
 from rig.sql import fetch, scalar
-
-FAST_FAILOVER = {
-    "SCHEDULER_LOCK__HEARTBEAT_INTERVAL": "0.5",
-    "SCHEDULER_LOCK__STALL_TIMEOUT": "3",
-    "SCHEDULER_LOCK__KEEPALIVE_IDLE": "2",
-    "SCHEDULER_LOCK__KEEPALIVE_INTERVAL": "1",
-    "SCHEDULER_LOCK__KEEPALIVE_COUNT": "2",
-    "SCHEDULER_LOCK__TCP_USER_TIMEOUT": "3",
-    "SCHEDULER_LOCK__STANDBY_RECHECK": "2",
-}
+from rig.ticks import FAST_TIMINGS
 
 
 def leader_of(url: str, replicas: dict[str, DaemonProcess]) -> DaemonProcess | None:
@@ -76,7 +67,7 @@ def test_publications_exactly_once_through_kills_and_stalls(
         "FROM generate_series(1, $1) g",
         rows,
     )
-    env = FAST_FAILOVER | {
+    env = dict(FAST_TIMINGS) | {
         "SCHEDULER_DATABASE_URL": pg_url,
         "SCHEDULER_PUBLISH__INTERVAL": "0.5",
         "SCHEDULER_PUBLISH__BATCH_SIZE": "200",

@@ -19,6 +19,7 @@ that proves nothing (too few ticks, too few instances).
 from __future__ import annotations
 
 import json
+import signal
 import sqlite3
 import time
 from collections import defaultdict
@@ -288,3 +289,26 @@ def first_leader(
             )
             raise AssertionError(f"no leader for {loop} within {timeout}s\n{reports}")
         time.sleep(0.02)
+
+
+PLUGIN_ONLY = ("run", "--only", "plugin")
+
+
+def pg_env(url: str, instance: str, sleep: float = 0.05, **extra: str) -> dict[str, str]:
+    """A replica on PostgreSQL with the fast timings and the tick probe."""
+    return {
+        "SCHEDULER_DATABASE_URL": url,
+        "SCHEDULER_INSTANCE_ID": instance,
+        **FAST_TIMINGS,
+        **probe_env(pg_probe_sql(sleep)),
+        **extra,
+    }
+
+
+def stop_all(processes: list[DaemonProcess]) -> None:
+    """SIGTERM everyone still running, then require a clean exit (0) from each."""
+    running = [p for p in processes if p.poll() is None]
+    for process in running:
+        process.signal(signal.SIGTERM)
+    for process in running:
+        assert process.wait(30) == 0, process.output()[-3000:]
