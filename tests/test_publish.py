@@ -7,6 +7,7 @@ import json
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -293,3 +294,42 @@ async def test_webhook_retries_then_delivers_and_dead_endpoint_fails(
                 assert len(calls["dead"]) == 3
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.postgres
+def test_entry_point_publisher_runs_in_the_publishing_transaction(
+    daemons: Daemons, pg_url: str
+) -> None:
+    """The sample plugin's publisher (group scheduler_daemon.publishers) records every
+    row in the same transaction as the flip; a row it refuses is failed alone."""
+    fetch(pg_url, "CREATE TABLE sample_publisher_audit (publication_id bigint, instance text)")
+    fetch(
+        pg_url,
+        "INSERT INTO scheduler_publications (key, payload, publish_at) "
+        "SELECT 'e' || g, CASE WHEN g = 7 THEN '{\"poison\": true}' ELSE '{}' END::jsonb, now() "
+        "FROM generate_series(1, 20) g",
+    )
+    start(daemons, pg_url, SCHEDULER_PUBLISH__PUBLISHERS='["sample"]', SCHEDULER_INSTANCE_ID="ep")
+    wait_until(
+        lambda: scalar(
+            pg_url, "SELECT count(*) FROM scheduler_publications WHERE status = 'scheduled'"
+        ) == 0,
+        what="every row handled",
+    )  # fmt: skip
+    audited = fetch(pg_url, "SELECT p.key, a.instance FROM sample_publisher_audit a "
+                            "JOIN scheduler_publications p ON p.id = a.publication_id")  # fmt: skip
+    assert sorted(row["key"] for row in audited) == sorted(f"e{g}" for g in range(1, 21) if g != 7)
+    assert {row["instance"] for row in audited} == {"ep"}
+    failed = fetch(
+        pg_url, "SELECT key, last_error FROM scheduler_publications WHERE status = 'failed'"
+    )
+    assert failed == [
+        {"key": "e7", "last_error": "ValueError: the sample publisher refuses poisoned payloads"}
+    ]
+
+
+def test_unknown_publisher_is_a_config_error(tmp_path: Path) -> None:
+    result = run_cli(["check-config"], {"SCHEDULER_PUBLISH__PUBLISHERS": '["nope"]'}, cwd=tmp_path)
+    assert result.returncode == 78
+    assert "unknown publisher 'nope'" in result.stderr
+    assert "sample" in result.stderr  # the installed entry point is listed as known

@@ -1,0 +1,31 @@
+"""A sample publisher, declared in the entry-point group ``scheduler_daemon.publishers``.
+
+The daemon calls the entry point (this class) with its ``Settings`` and runs
+``publish(tx, rows)`` for each batch, inside the publishing transaction: what it writes
+commits together with the state flip. It appends to a table the application created.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from scheduler_daemon.db.base import Tx
+from scheduler_daemon.publishers import Published
+
+AUDIT_TABLE = "sample_publisher_audit"
+
+
+class SamplePublisher:
+    name = "sample"
+
+    def __init__(self, settings: Any) -> None:
+        self.instance = settings.instance_id
+
+    async def publish(self, tx: Tx, rows: Sequence[Published]) -> None:
+        if any(row.payload.get("poison") for row in rows if isinstance(row.payload, dict)):
+            raise ValueError("the sample publisher refuses poisoned payloads")
+        await tx.run_many(
+            f"INSERT INTO {AUDIT_TABLE} (publication_id, instance) VALUES ($1, $2)",
+            [(row.id, self.instance) for row in rows],
+        )
