@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 from . import db
 from .aio import unless_set
 from .config import Settings
-from .db.connect import connect
+from .db.connect import connect, within_startup_budget
 from .errors import EXIT_OK, ConfigError
 from .http import HttpServer
 from .leadership import make_guard
@@ -115,7 +115,10 @@ class Daemon:
             # Before anything else talks to it: behind a transaction pooler even the
             # migration could fail in confusing ways.
             await self._refuse_unsafe_lock_mode(store)
-            applied = await store.migrate()
+            # The database may still be settling (a container's init restarts it once).
+            applied = await within_startup_budget(
+                store.migrate, self.settings, self.log, failed_event="db.migrate_failed"
+            )
             self.log.info(
                 "db.migrated",
                 backend=store.backend,

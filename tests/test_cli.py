@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from rig.processes import Daemons, run_cli
+from rig.processes import DaemonProcess, Daemons, run_cli
 
 BAD_VALUES = [
     ({"SCHEDULER_PUBLISH__INTERVAL": "-1"}, "publish.interval"),
@@ -274,3 +274,34 @@ def test_version(tmp_path: Path) -> None:
     result = run_cli(["--version"], cwd=tmp_path)
     assert result.returncode == 0
     assert "scheduler-daemon" in result.stdout
+
+
+@pytest.mark.postgres
+def test_a_transient_migration_failure_is_retried(daemons: Daemons, pg_empty_url: str) -> None:
+    """Another migrator holds the migration lock past our statement timeout: the daemon
+    retries within its startup budget instead of exiting."""
+    import asyncio
+
+    import asyncpg
+
+    from scheduler_daemon.db.postgres import MIGRATION_LOCK_KEY
+
+    async def hold_lock_while_starting() -> DaemonProcess:
+        conn = await asyncpg.connect(pg_empty_url)
+        try:
+            async with conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK_KEY)
+                process = daemons.start(
+                    {
+                        "SCHEDULER_DATABASE_URL": pg_empty_url,
+                        "SCHEDULER_DATABASE__STATEMENT_TIMEOUT": "1s",
+                    }
+                )
+                await asyncio.to_thread(process.wait_for_log, "db.migrate_failed", timeout=30)
+        finally:
+            await conn.close()
+        return process
+
+    process = asyncio.run(hold_lock_while_starting())
+    process.wait_for_log("daemon.started", timeout=30)
+    assert process.poll() is None

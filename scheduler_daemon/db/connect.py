@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from ..config import Settings
 from ..errors import DatabaseUnavailable
 from ..logs import Logger
 from .base import Store
 from .url import redact
+
+T = TypeVar("T")
 
 
 async def open_store(settings: Settings) -> Store:
@@ -46,14 +50,27 @@ async def connect(settings: Settings, log: Logger) -> Store:
 
     Raises :class:`DatabaseUnavailable` (exit 69) with the last error, password redacted.
     """
+    timeout = settings.database.connect_timeout * 2
+    return await within_startup_budget(
+        lambda: asyncio.wait_for(open_store(settings), timeout=timeout),
+        settings,
+        log,
+        failed_event="db.connect_failed",
+    )
+
+
+async def within_startup_budget(
+    attempt: Callable[[], Awaitable[T]], settings: Settings, log: Logger, failed_event: str
+) -> T:
+    """Run ``attempt`` until it succeeds. Transient errors (see :func:`is_transient`) are
+    retried with backoff, each logged as ``failed_event``, until ``database.startup_budget``
+    runs out; then, or at once for any other error, :class:`DatabaseUnavailable`."""
     budget = settings.database.startup_budget
     deadline = time.monotonic() + budget
     backoff = Backoff()
     while True:
         try:
-            return await asyncio.wait_for(
-                open_store(settings), timeout=settings.database.connect_timeout * 2
-            )
+            return await attempt()
         except Exception as exc:
             error = redact(f"{type(exc).__name__}: {exc}")
             if not is_transient(exc):
@@ -66,7 +83,7 @@ async def connect(settings: Settings, log: Logger) -> Store:
                 ) from None
             delay = min(backoff.next_delay(), remaining)
             log.warning(
-                "db.connect_failed",
+                failed_event,
                 url=str(settings.database_url),
                 error=error,
                 retry_in=round(delay, 3),
