@@ -29,3 +29,10 @@ class InvalidInput(SchedulerError):
 
 class NotFound(InvalidInput):
     pass
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as one line for logs and stored errors, passwords removed."""
+    from .db.url import redact
+
+    return redact(f"{type(exc).__name__}: {exc}")

@@ -32,8 +32,7 @@ from prometheus_client.exposition import choose_encoder
 from .config import Settings
 from .db.base import Store
 from .db.sqlfiles import migrations
-from .db.url import redact
-from .errors import ConfigError
+from .errors import ConfigError, describe
 from .logs import Logger
 from .metrics import Metrics
 from .status import collect_status
@@ -179,7 +178,7 @@ class HttpServer:
             )
         except Exception as exc:  # unreachable, restarting, auth revoked, ...
             self.metrics.database_up.set(0)
-            return Readiness(False, _describe(exc), None, expected)
+            return Readiness(False, f"database: {describe(exc)}", None, expected)
         self.metrics.database_up.set(1)
         if version != expected:
             reason = f"schema at version {version}, this build expects {expected}"
@@ -213,13 +212,8 @@ class HttpServer:
         except TimeoutError:
             return _error(503, f"database did not answer within {STATUS_TIMEOUT:g}s")
         except Exception as exc:
-            return _error(503, _describe(exc))
+            return _error(503, f"database: {describe(exc)}")
         return web.json_response(report, dumps=json.dumps)
-
-
-def _describe(exc: BaseException) -> str:
-    # Driver messages can quote the DSN; never serve a password.
-    return redact(f"database: {type(exc).__name__}: {exc}")
 
 
 def _error(status: int, reason: str) -> web.Response:

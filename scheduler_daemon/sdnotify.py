@@ -24,6 +24,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from types import TracebackType
 from typing import Any, Self
 
+from .errors import describe
 from .logs import Logger
 
 
@@ -118,7 +119,7 @@ class Notifier:
             sock.sendto("\n".join(assignments).encode(), address)
         except OSError as exc:  # no listener, queue full (EAGAIN), ...
             if not self._failing:  # once per outage, not once per watchdog ping
-                self.log.warning("sdnotify.send_failed", error=f"{type(exc).__name__}: {exc}")
+                self.log.warning("sdnotify.send_failed", error=describe(exc))
             self._failing = True
             return False
         self._failing = False

@@ -9,10 +9,9 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from ..config import Settings
-from ..errors import DatabaseUnavailable
+from ..errors import DatabaseUnavailable, describe
 from ..logs import Logger
 from .base import Store
-from .url import redact
 
 T = TypeVar("T")
 
@@ -72,7 +71,7 @@ async def within_startup_budget(
         try:
             return await attempt()
         except Exception as exc:
-            error = redact(f"{type(exc).__name__}: {exc}")
+            error = describe(exc)
             if not is_transient(exc):
                 raise DatabaseUnavailable(f"database {settings.database_url}: {error}") from None
             remaining = deadline - time.monotonic()

@@ -28,11 +28,10 @@ from datetime import datetime
 import asyncpg
 
 from ..aio import unless_set, wait_any
-from ..config import Settings
+from ..config import LockSettings, Settings
 from ..db.postgres import PgTx, PostgresStore
 from ..db.sqlfiles import queries
-from ..logs import Logger
-from ..metrics import Metrics
+from ..errors import describe
 from .base import GuardBase, LeaseState, Stopping
 
 Q = queries("postgres")
@@ -71,19 +70,9 @@ class SessionLease(LeaseState):
 
 
 class SessionGuard(GuardBase[PostgresStore]):
-    def __init__(
-        self,
-        loop: str,
-        key: int,
-        store: PostgresStore,
-        settings: Settings,
-        log: Logger,
-        metrics: Metrics,
-        stop: asyncio.Event,
-    ) -> None:
-        super().__init__(loop, key, store, settings, log, metrics, stop)
-        self.lock = settings.lock
-        self.current: SessionLease | None = None
+    @property
+    def lock(self) -> LockSettings:
+        return self.settings.lock
 
     @asynccontextmanager
     async def leadership(self) -> AsyncIterator[SessionLease]:
@@ -108,7 +97,6 @@ class SessionGuard(GuardBase[PostgresStore]):
             conn.terminate()
             raise
         lease = SessionLease(conn, row["backend_pid"], row["acquired_at"])
-        self.current = lease
         self.metrics.leader.labels(self.loop).set(1)
         self.metrics.leadership_changes.labels(self.loop, "acquired").inc()
         self.log.info("leader.acquired", key=self.key, backend_pid=lease.backend_pid)
@@ -120,7 +108,6 @@ class SessionGuard(GuardBase[PostgresStore]):
         finally:
             heartbeat.cancel()
             await asyncio.wait({heartbeat})
-            self.current = None
             self.metrics.leader.labels(self.loop).set(0)
             await self._release(lease, graceful=clean_exit and not lease.lost.is_set())
 
@@ -187,7 +174,7 @@ class SessionGuard(GuardBase[PostgresStore]):
                 return
             if (exc := proof.exception()) is not None:
                 self.metrics.heartbeat_failures.labels(self.loop).inc()
-                self._lose(lease, f"heartbeat failed: {type(exc).__name__}: {exc}")
+                self._lose(lease, f"heartbeat failed: {describe(exc)}")
                 return
             if not proof.result():
                 self._lose(lease, "lock no longer held (evicted or session ended)")
@@ -230,7 +217,7 @@ class SessionGuard(GuardBase[PostgresStore]):
                 self.log.info("leader.released", key=self.key)
                 return
             except Exception as exc:
-                self.log.warning("leader.release_failed", error=f"{type(exc).__name__}: {exc}")
+                self.log.warning("leader.release_failed", error=describe(exc))
         # Not graceful (lost, cancelled mid-tick, release failed): closing the socket
         # ends the session, which frees the lock and aborts any open transaction.
         lease.conn.terminate()

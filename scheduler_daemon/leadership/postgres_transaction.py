@@ -27,11 +27,8 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from ..config import Settings
 from ..db.postgres import PgTx, PostgresStore
 from ..db.sqlfiles import queries
-from ..logs import Logger
-from ..metrics import Metrics
 from .base import GuardBase, LeaseState, NotLeader
 
 Q = queries("postgres")
@@ -87,18 +84,7 @@ class TransactionLease(LeaseState):
 
 
 class TransactionGuard(GuardBase[PostgresStore]):
-    def __init__(
-        self,
-        loop: str,
-        key: int,
-        store: PostgresStore,
-        settings: Settings,
-        log: Logger,
-        metrics: Metrics,
-        stop: asyncio.Event,
-    ) -> None:
-        super().__init__(loop, key, store, settings, log, metrics, stop)
-        self.leading = False
+    leading = False  # won the last tick's lock
 
     def note_leading(self, leading: bool) -> None:
         """Log and count the edges only: with per-tick locks, "leader" means "won the

@@ -20,11 +20,9 @@ from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
 from ..aio import wait_any
-from ..config import Settings
 from ..db.sqlfiles import queries
 from ..db.sqlite import SqliteStore, SqliteTx
-from ..logs import Logger
-from ..metrics import Metrics
+from ..errors import describe
 from .base import GuardBase, LeaseState, Stopping
 
 Q = queries("sqlite")
@@ -47,19 +45,13 @@ class FlockLease(LeaseState):
 
 
 class FlockGuard(GuardBase[SqliteStore]):
-    def __init__(
-        self,
-        loop: str,
-        key: int,
-        store: SqliteStore,
-        settings: Settings,
-        log: Logger,
-        metrics: Metrics,
-        stop: asyncio.Event,
-    ) -> None:
-        super().__init__(loop, key, store, settings, log, metrics, stop)
-        self.path = lock_path(store.path, loop)
-        self._identity = (settings.instance_id, os.getpid())
+    @property
+    def path(self) -> Path:
+        return lock_path(self.store.path, self.loop)
+
+    @property
+    def _identity(self) -> tuple[str, int]:
+        return (self.settings.instance_id, os.getpid())
 
     @asynccontextmanager
     async def leadership(self) -> AsyncIterator[FlockLease]:
@@ -122,4 +114,4 @@ class FlockGuard(GuardBase[SqliteStore]):
                     )
             except Exception as exc:
                 self.metrics.heartbeat_failures.labels(self.loop).inc()
-                self.log.warning("leader.heartbeat_failed", error=f"{type(exc).__name__}: {exc}")
+                self.log.warning("leader.heartbeat_failed", error=describe(exc))

@@ -19,6 +19,7 @@ from typing import Protocol
 
 from ..aio import wait_any
 from ..db.connect import Backoff
+from ..errors import describe
 from ..leadership import Guard, LeadershipLost, Lease, NotLeader, Stopping
 from ..logs import Logger
 from ..metrics import Metrics
@@ -101,7 +102,7 @@ class LoopRunner:
             except LeadershipLost as lost:
                 self.log.warning("leader.stepped_down", reason=lost.reason)
             except Exception as exc:  # the database is unreachable, restarting, …
-                self.log.warning("loop.db_error", error=f"{type(exc).__name__}: {exc}")
+                self.log.warning("loop.db_error", error=describe(exc))
             # Back to standby after a pause, so a flapping database is not hammered.
             await self._sleep(backoff.next_delay(), lease=None)
         self.log.info("loop.stopped")

@@ -26,6 +26,7 @@ from typing import Any
 
 from ..config import Settings
 from ..db.base import Tx
+from ..errors import describe
 from ..leadership import Lease
 from ..logs import Logger
 from ..metrics import Metrics
@@ -271,7 +272,7 @@ class PluginWork:
                     await spec.call(ctx, on_thread=partial(self.threads.__setitem__, spec.name))
         except TimeoutError as exc:
             if not deadline.expired():  # the target's own TimeoutError: a failure
-                status, error = "failed", f"{type(exc).__name__}: {exc}"
+                status, error = "failed", describe(exc)
                 run_log.error("task.failed", error=error, traceback=traceback.format_exc())
             else:
                 ctx.cancelled.set()
@@ -280,7 +281,7 @@ class PluginWork:
             ctx.cancelled.set()
             raise
         except Exception as exc:
-            status, error = "failed", f"{type(exc).__name__}: {exc}"
+            status, error = "failed", describe(exc)
             run_log.error("task.failed", error=error, traceback=traceback.format_exc())
         duration = time.monotonic() - started
         self.metrics.plugin_runs.labels(spec.name, status).inc()

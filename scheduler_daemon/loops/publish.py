@@ -24,6 +24,7 @@ from typing import Any
 from ..config import Settings
 from ..db.base import Store, Tx
 from ..db.connect import is_transient
+from ..errors import describe
 from ..leadership import Lease
 from ..logs import Logger
 from ..metrics import Metrics
@@ -110,7 +111,7 @@ class PublishWork:
         except Exception as exc:
             if is_transient(exc):
                 raise  # roll the whole batch back; the next tick publishes it again
-            log.warning("publish.batch_failed", size=len(batch), error=_describe(exc))
+            log.warning("publish.batch_failed", size=len(batch), error=describe(exc))
         failed: dict[int, str] = {}
         for row in batch:
             try:
@@ -120,7 +121,7 @@ class PublishWork:
             except Exception as exc:
                 if is_transient(exc):
                     raise  # a deadlock or timeout says nothing about this row's data
-                error = _describe(exc)
+                error = describe(exc)
                 failed[row.id] = error
                 await tx.fetch("publication_fail", row.id, error)
                 log.error("publish.row_failed", publication_id=row.id, key=row.key, error=error)
@@ -172,7 +173,7 @@ class PublishWork:
                 listener.terminate()
             self._listener = None
             self._listen_retry_at = time.monotonic() + LISTEN_RETRY
-            self.log.warning("publish.listen_failed", error=f"{type(exc).__name__}: {exc}")
+            self.log.warning("publish.listen_failed", error=describe(exc))
 
     def _on_notification(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
         try:
@@ -195,7 +196,3 @@ class PublishWork:
         if self._listener is not None:
             self._listener.terminate()
             self._listener = None
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"

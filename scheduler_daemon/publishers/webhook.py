@@ -30,6 +30,7 @@ from ..aio import wait_any
 from ..config import WebhookPublisherSettings, redact_webhook_url
 from ..db.base import Tx
 from ..db.connect import Backoff
+from ..errors import describe
 from ..leadership import Lease
 from ..logs import Logger
 from ..metrics import Metrics
@@ -86,7 +87,7 @@ class WebhookDeliverer:
                     # rows stay in the outbox; try again, never give up silently.
                     wait = backoff.next_delay()
                     self.log.warning(
-                        "webhook.deliverer_error", error=f"{type(exc).__name__}: {exc}",
+                        "webhook.deliverer_error", error=describe(exc),
                         retry_in=round(wait, 3),
                     )  # fmt: skip
                 if wait > 0:
@@ -138,7 +139,7 @@ class WebhookDeliverer:
                 return f"HTTP {response.status}"
         except (aiohttp.ClientError, TimeoutError) as exc:
             # Some aiohttp errors quote the URL, whose path may carry a token.
-            error = f"{type(exc).__name__}: {exc}"
+            error = describe(exc)
             return error.replace(self.url, redact_webhook_url(self.url))
 
     async def _record(self, tx: Tx, row: dict[str, Any], error: str | None) -> None:
