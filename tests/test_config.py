@@ -12,12 +12,16 @@ import pytest
 import structlog
 from hypothesis import given
 from hypothesis import strategies as st
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
+from rig.processes import run_cli
+from rig.ticks import FAST_TIMINGS
 
 from scheduler_daemon.config import (
+    TIMING_MARGIN,
     LogSettings,
     Settings,
     _describe,
+    earliest_lock_release,
     load_settings,
     lock_key_from_name,
     parse_duration,
@@ -26,6 +30,7 @@ from scheduler_daemon.config import (
 )
 from scheduler_daemon.db.url import DatabaseUrl, redact
 from scheduler_daemon.errors import ConfigError
+from scheduler_daemon.leadership.postgres_session import session_keepalive_settings
 from scheduler_daemon.logs import configure_logging, get_logger
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -348,3 +353,298 @@ def test_logged_tracebacks_are_scrubbed(fmt: Literal["console", "json"]) -> None
     assert "RuntimeError" in output, "the traceback is still logged"
     assert "pw@" not in output
     assert "u:***@h/db" in output
+
+
+# -- lock timings: the leader stops before the server can free its lock (promise 5) -------
+
+
+def test_the_reviews_example_is_refused(tmp_path: Path) -> None:
+    """Heartbeat 3.2 s with idle = interval = 2.5 s, count 2 used to pass (2.5 + 2.5 x 2 =
+    7.5 >= 6.4 + 1) although the server got 2/2/2 after rounding. Now the fractional
+    values are refused, and what the server would have got is refused on the arithmetic."""
+    toml = "[lock]\nheartbeat_interval = 3.2\nkeepalive_idle = 2.5\nkeepalive_interval = 2.5\n"
+    toml += "keepalive_count = 2\n"
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, toml))
+    assert str(info.value).startswith(
+        "invalid config: lock.keepalive_idle: PostgreSQL takes whole seconds (got 2.5)"
+    )
+    rounded = toml.replace("2.5", "2")
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, rounded))
+    message = str(info.value)
+    assert message.startswith("invalid config: lock: timings: "), message
+    assert "= 8.4s must not exceed" in message  # 2 x 3.2 + stop_grace 1 + margin 1
+    assert message.endswith("= min(10, max(2, 10 - max(2, 2)), 2 x 2) = 4s"), message
+    assert "\n" not in message
+
+
+def test_the_old_defaults_had_no_slack_and_are_refused(tmp_path: Path) -> None:
+    """Keepalive 5/2/3 s with heartbeat 2 s: counted from the cut (the server's last packet
+    from us may be keepalive_idle old) the server may free the lock after 5 s, when the
+    leader may only just have decided to step down (4 s) and its work is still stopping."""
+    toml = "[lock]\nkeepalive_idle = 5\nkeepalive_interval = 2\nkeepalive_count = 3\n"
+    with pytest.raises(ConfigError, match=r"^invalid config: lock: timings: .* = 5s$"):
+        load_settings(write(tmp_path, toml))
+    with pytest.raises(ConfigError, match=r"= 5\.001s must not exceed .* = 5s$"):
+        load_settings(write(tmp_path, toml + 'stop_grace = "1ms"\n'))
+
+
+def test_stall_timeout_leaves_room_for_the_work_to_stop(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, '[lock]\nstall_timeout = "5.5s"\n'))
+    assert str(info.value) == (
+        "invalid config: lock: timings: stall_timeout (5.5s) must be at least "
+        "2 x heartbeat_interval + stop_grace + 1s (6s), or a standby could evict a leader "
+        "whose work has not stopped yet"
+    )
+    assert load_settings(write(tmp_path, "[lock]\nstall_timeout = 6\n")).lock.stall_timeout == 6
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("keepalive_idle = 2.5", "lock.keepalive_idle: PostgreSQL takes whole seconds (got 2.5)"),
+        (
+            'keepalive_interval = "1500ms"',
+            "lock.keepalive_interval: PostgreSQL takes whole seconds (got '1500ms')",
+        ),
+        (
+            'tcp_user_timeout = "10.0005s"',
+            "lock.tcp_user_timeout: PostgreSQL takes whole milliseconds (got '10.0005s')",
+        ),
+    ],
+)
+def test_fractional_tcp_settings_are_refused(tmp_path: Path, line: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, f"[lock]\n{line}\n"))
+    assert str(info.value) == f"invalid config: {expected}"
+
+
+def test_a_fractional_keepalive_from_the_environment_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SCHEDULER_LOCK__KEEPALIVE_IDLE", "2.5")
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert str(info.value) == (
+        "invalid config: lock.keepalive_idle: PostgreSQL takes whole seconds (got '2.5')"
+    )
+
+
+@pytest.mark.parametrize(
+    ("lock", "sent"),
+    [
+        ({}, ("2", "2", "4", "10000")),
+        # 8001 ms is 8.001 s, and int(8.001 * 1000) == 8000: no float arithmetic on the way.
+        (
+            {"keepalive_idle": "1s", "keepalive_interval": 2, "keepalive_count": 5,
+             "tcp_user_timeout": "8001ms"},
+            ("1", "2", "5", "8001"),
+        ),
+        (
+            {"keepalive_idle": "3000ms", "keepalive_interval": "1s", "keepalive_count": 6,
+             "tcp_user_timeout": 9.5},
+            ("3", "1", "6", "9500"),
+        ),
+    ],
+)  # fmt: skip
+def test_session_keepalive_settings_send_exactly_the_configured_values(
+    lock: dict[str, Any], sent: tuple[str, str, str, str]
+) -> None:
+    settings = Settings(lock=lock)
+    assert session_keepalive_settings(settings) == dict(
+        zip(
+            ("tcp_keepalives_idle", "tcp_keepalives_interval", "tcp_keepalives_count",
+             "tcp_user_timeout"),
+            sent,
+            strict=True,
+        )
+    )  # fmt: skip
+
+
+def _sent_values(settings: Settings) -> tuple[int, int, int, int]:
+    sent = session_keepalive_settings(settings)
+    return (
+        int(sent["tcp_keepalives_idle"]),
+        int(sent["tcp_keepalives_interval"]),
+        int(sent["tcp_keepalives_count"]),
+        int(sent["tcp_user_timeout"]),
+    )
+
+
+def test_the_defaults_hold_with_two_seconds_to_spare() -> None:
+    lock = Settings().lock
+    assert lock.stopped_after == 5.0  # 2 x 2 s + stop_grace 1 s
+    assert earliest_lock_release(*_sent_values(Settings())) == 8.0
+    assert lock.server_frees_lock_after - (lock.stopped_after + TIMING_MARGIN) == 2.0
+    assert lock.stall_timeout - (lock.stopped_after + TIMING_MARGIN) == 9.0
+
+
+def test_the_fast_test_timings_are_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in FAST_TIMINGS.items():
+        monkeypatch.setenv(key, value)
+    settings = load_settings()
+    lock = settings.lock
+    assert lock.heartbeat_interval == 0.5
+    need = lock.stopped_after + TIMING_MARGIN
+    assert need <= earliest_lock_release(*_sent_values(settings)) == lock.server_frees_lock_after
+    assert need <= lock.stall_timeout
+
+
+_DURATION_INPUTS = st.one_of(
+    st.integers(min_value=1, max_value=20),
+    st.integers(min_value=1, max_value=20_000).map(lambda ms: f"{ms}ms"),
+    st.floats(min_value=0.01, max_value=20, allow_nan=False),
+)
+
+
+@given(
+    heartbeat=st.integers(min_value=20, max_value=5000).map(lambda ms: f"{ms}ms"),
+    stop_grace=st.integers(min_value=1, max_value=3000).map(lambda ms: f"{ms}ms"),
+    stall=st.integers(min_value=1, max_value=30),
+    idle=_DURATION_INPUTS,
+    interval=_DURATION_INPUTS,
+    count=st.integers(min_value=1, max_value=10),
+    user_timeout=st.one_of(
+        st.integers(min_value=1, max_value=40_000).map(lambda ms: f"{ms}ms"),
+        st.floats(min_value=0.001, max_value=40, allow_nan=False),
+    ),
+)
+def test_any_accepted_config_stops_the_leader_before_the_server_can_free_its_lock(
+    heartbeat: str,
+    stop_grace: str,
+    stall: int,
+    idle: Any,
+    interval: Any,
+    count: int,
+    user_timeout: Any,
+) -> None:
+    lock = {
+        "heartbeat_interval": heartbeat,
+        "stop_grace": stop_grace,
+        "stall_timeout": stall,
+        "keepalive_idle": idle,
+        "keepalive_interval": interval,
+        "keepalive_count": count,
+        "tcp_user_timeout": user_timeout,
+    }
+    try:
+        settings = Settings(lock=lock)
+    except ValidationError:
+        return  # refused: it never runs
+    sent = _sent_values(settings)
+    # What the server gets is what was configured, nothing rounded away...
+    assert sent[0] == settings.lock.keepalive_idle == parse_duration(idle)
+    assert sent[1] == settings.lock.keepalive_interval == parse_duration(interval)
+    assert sent[3] == pytest.approx(parse_duration(user_timeout) * 1000, abs=1e-6)
+    # ...and on those values the leader's work has stopped before the server can free the
+    # lock (by keepalive) and before a standby can evict it.
+    need = 2 * parse_duration(heartbeat) + parse_duration(stop_grace) + 1.0
+    assert need <= earliest_lock_release(*sent) + 1e-9
+    assert need <= stall + 1e-9
+
+
+def _keepalive_drop(
+    idle: int, interval: int, count: int, user_timeout: int, cut: int, packets: list[int],
+    *, linux: bool,
+) -> int:  # fmt: skip
+    """When the server's kernel drops an idle connection whose peer goes silent at `cut`
+    (all times in ms), following Linux's ``tcp_keepalive_timer``: it runs when due, finds
+    the time since the last packet received (``elapsed``); below ``idle`` it sleeps until
+    then; otherwise it drops the socket if ``user_timeout`` has passed with a probe
+    unanswered (``linux``: TCP_USER_TIMEOUT set) or ``count`` probes went unanswered (a
+    server without it), else sends a probe and runs again ``interval`` later. Before the
+    cut every probe is answered at once, and `packets` arrive from the client (any packet
+    resets the unanswered probes, as ``tcp_ack`` does). The socket was set up at 0."""
+    received, unanswered, now = 0, 0, idle
+    arrivals = sorted(packet for packet in packets if packet < cut)
+    while True:
+        while arrivals and arrivals[0] <= now:
+            received, unanswered = arrivals.pop(0), 0
+        elapsed = now - received
+        if elapsed < idle:
+            now += idle - elapsed
+            continue
+        if (linux and elapsed >= user_timeout and unanswered > 0) or (
+            not linux and unanswered >= count
+        ):
+            return now
+        if now < cut:
+            received, unanswered = now, 0
+        else:
+            unanswered += 1
+        now += interval
+
+
+@given(
+    idle=st.integers(min_value=1, max_value=10),
+    interval=st.integers(min_value=1, max_value=10),
+    count=st.integers(min_value=1, max_value=10),
+    user_timeout=st.integers(min_value=1, max_value=40_000),
+    cut=st.integers(min_value=0, max_value=60_000),
+    packets=st.lists(st.integers(min_value=0, max_value=60_000), max_size=6),
+)
+def test_earliest_lock_release_is_a_lower_bound_of_the_kernels_timer(
+    idle: int, interval: int, count: int, user_timeout: int, cut: int, packets: list[int]
+) -> None:
+    bound = earliest_lock_release(idle, interval, count, user_timeout) * 1000
+    # Data the server sends after the cut dies user_timeout after it was sent.
+    assert bound <= user_timeout + 1e-6  # float seconds, integer milliseconds
+    for linux in (True, False):
+        dropped = _keepalive_drop(
+            idle * 1000, interval * 1000, count, user_timeout, cut, packets, linux=linux
+        )
+        assert dropped - cut >= bound - 1e-6, (linux, dropped - cut, bound)
+
+
+@pytest.mark.parametrize(
+    ("tcp", "cut", "dropped_after"),
+    [
+        # Defaults: the cut comes just as a probe goes out, the server's last packet from us
+        # keepalive_idle old; dropped keepalive_interval x 4 later, when 10 s have passed.
+        ((2, 2, 4, 10_000), 2_000, 8_000),
+        # A probe interval longer than idle: the last packet can be interval old, so
+        # tcp_user_timeout - keepalive_idle (9 s) would promise too much.
+        ((1, 5, 3, 10_000), 6_000, 5_000),
+    ],
+)
+def test_earliest_lock_release_is_reached(
+    tcp: tuple[int, int, int, int], cut: int, dropped_after: int
+) -> None:
+    idle, interval, count, user_timeout = tcp
+    dropped = _keepalive_drop(
+        idle * 1000, interval * 1000, count, user_timeout, cut, [], linux=True
+    )
+    assert dropped - cut == dropped_after == earliest_lock_release(*tcp) * 1000
+
+
+# -- lock keys ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"SCHEDULER_LOCK__KEYS__PUBLISH": "0x10", "SCHEDULER_LOCK__KEYS__PLUGIN": "16"},
+        {"SCHEDULER_LOCK__KEYS__PUBLISH": "myapp", "SCHEDULER_LOCK__KEYS__PLUGIN": "myapp"},
+        {"SCHEDULER_LOCK__KEYS__PLUGIN": "0x9A37B7A1"},  # the default publish key
+    ],
+)
+def test_equal_lock_keys_exit_78(tmp_path: Path, env: dict[str, str]) -> None:
+    result = run_cli(["check-config"], env, cwd=tmp_path)
+    assert result.returncode == 78, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "lock.keys: publish and plugin are the same key" in lines[0]
+
+
+def test_equal_lock_keys_written_differently_in_the_file_exit_78(tmp_path: Path) -> None:
+    config = write(tmp_path, '[lock.keys]\npublish = 16\nplugin = "0x10"\n')
+    result = run_cli(["check-config", "--config", str(config)], cwd=tmp_path)
+    assert result.returncode == 78, result.stdout + result.stderr
+    assert result.stderr.strip() == (
+        "scheduler-daemon: invalid config: lock.keys: publish and plugin are the same key (16): the loops "
+        "would share one lock and only one of them could ever lead; give each its own"
+    )
+    config.write_text('[lock.keys]\npublish = 16\nplugin = "0x11"\n')
+    assert run_cli(["check-config", "--config", str(config)], cwd=tmp_path).returncode == 0

@@ -99,15 +99,19 @@ def python_probe_env(log_file: Path, every: str = "0.2s", sleep: float = 0.05) -
     }
 
 
-# Timings short enough for a test and valid for config.py: step-down after 2 x 0.5 = 1 s,
-# + 1 s margin <= min(1 + 1 x 1, 2) = 2 s (server gives up) and <= stall_timeout.
+# Timings short enough for a test and valid for config.py: the leader decides to step down
+# within 2 x 0.5 = 1 s and its work has stopped 0.5 s (stop_grace) later; + 1 s margin =
+# 2.5 s <= 3 s, the earliest the server can free a cut-off leader's lock (min(tcp_user_timeout
+# 4, max(interval 1, 4 - max(idle 1, interval 1)), interval 1 x count 3)), and <= 3 s
+# (stall_timeout).
 FAST_TIMINGS: Mapping[str, str] = {
     "SCHEDULER_LOCK__HEARTBEAT_INTERVAL": "0.5",
+    "SCHEDULER_LOCK__STOP_GRACE": "0.5",
     "SCHEDULER_LOCK__STALL_TIMEOUT": "3",
     "SCHEDULER_LOCK__KEEPALIVE_IDLE": "1",
     "SCHEDULER_LOCK__KEEPALIVE_INTERVAL": "1",
-    "SCHEDULER_LOCK__KEEPALIVE_COUNT": "1",
-    "SCHEDULER_LOCK__TCP_USER_TIMEOUT": "2",
+    "SCHEDULER_LOCK__KEEPALIVE_COUNT": "3",
+    "SCHEDULER_LOCK__TCP_USER_TIMEOUT": "4",
     "SCHEDULER_LOCK__STANDBY_RECHECK": "2",
     "SCHEDULER_SHUTDOWN_TIMEOUT": "5",
     "SCHEDULER_DATABASE__CONNECT_TIMEOUT": "2",
