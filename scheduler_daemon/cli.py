@@ -21,10 +21,10 @@ import click
 from . import __version__
 from .client import Client
 from .config import LogSettings, Settings, load_settings, parse_duration
-from .daemon import EXIT_SOFTWARE, Daemon
+from .daemon import Daemon
 from .db import Publication
 from .db.connect import connect
-from .errors import InvalidInput, NotFound, SchedulerError
+from .errors import EXIT_SOFTWARE, InvalidInput, NotFound, SchedulerError
 from .logs import configure_logging, get_logger
 from .plugins.builtin import builtin_tasks
 from .plugins.tasks import load_tasks

@@ -23,7 +23,7 @@ from . import db
 from .aio import unless_set
 from .config import Settings
 from .db.connect import connect, within_startup_budget
-from .errors import EXIT_OK, ConfigError
+from .errors import EXIT_OK, EXIT_SOFTWARE, ConfigError
 from .http import HttpServer
 from .leadership import make_guard
 from .leadership.pooler import detect_transaction_pooler
@@ -35,11 +35,11 @@ from .loops.publish import PublishWork
 from .metrics import Metrics
 from .plugins.builtin import builtin_tasks
 from .plugins.tasks import TaskSpec, load_tasks
+from .plugins.worker import Workers
 from .publishers import Publisher, build_publishers
 from .sdnotify import Notifier
 
 LoopName = Literal["publish", "plugin"]
-EXIT_SOFTWARE = 70  # EX_SOFTWARE: a loop died; the supervisor should restart us
 EXIT_FORCED = 130  # a second signal cut the graceful stop short
 
 T = TypeVar("T")
@@ -56,6 +56,7 @@ class Daemon:
         self.metrics = Metrics()
         self._tasks: list[TaskSpec] = []
         self._publishers: list[Publisher] = []
+        self._workers: Workers | None = None
         self.notifier = Notifier.from_environ(log)
         self.http: HttpServer | None = None  # set once serving; tests read its port
         self._main: asyncio.Task[Any] | None = None
@@ -84,10 +85,24 @@ class Daemon:
         if name == "publish":
             publish = PublishWork(store, self.settings, self._publishers, self.metrics, self.log)
             return publish, self.settings.publish.interval
-        tasks = self._tasks
         sticky = store.backend == "sqlite" or self.settings.lock.mode == "session"
-        work = PluginWork(tasks, self.settings, self.metrics, sticky=sticky)
+        work = PluginWork(self._tasks, self.settings, self.metrics, self._workers, sticky)
         return work, self.settings.plugin.interval
+
+    async def _start_workers(self, stack: AsyncExitStack) -> None:
+        """Sync targets run in worker processes: start their forkserver now, with the
+        targets' modules imported, so that the first run does not pay for it."""
+        if "plugin" not in self.enabled_loops():
+            return
+        modules = sorted(
+            {spec.target.__module__ for spec in self._tasks if spec.target and not spec.is_async}
+        )
+        if not modules:
+            return
+        workers = Workers(preload=modules)
+        await workers.start()
+        stack.push_async_callback(workers.close)
+        self._workers = workers
 
     async def run(self) -> int:
         """Run until stopped; return the process exit code."""
@@ -127,6 +142,7 @@ class Daemon:
             )
             self.metrics.database_up.set(1)
             await self._serve_http(stack, store)
+            await self._start_workers(stack)
 
             runners = {}
             for name in self.enabled_loops():

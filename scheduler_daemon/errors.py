@@ -4,6 +4,7 @@ from __future__ import annotations
 
 EXIT_OK = 0
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the database could not be reached in time
+EXIT_SOFTWARE = 70  # EX_SOFTWARE: a loop died, or work could not be stopped; restart us
 EXIT_CONFIG = 78  # EX_CONFIG: the configuration is invalid
 
 

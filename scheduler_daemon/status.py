@@ -83,6 +83,7 @@ async def _postgres_loops(store: Store, settings: Settings) -> dict[str, dict[st
                     "since": _iso(row["acquired_at"]),
                     "last_heartbeat": _iso(row["heartbeat_at"]),
                     "heartbeat_age": row["heartbeat_age"],
+                    "fencing_token": row["fencing_token"],
                 }
             else:
                 standbys.append(who | {"connected_since": _iso(row["backend_start"])})
@@ -109,6 +110,7 @@ async def _sqlite_loops(store: Store, settings: Settings) -> dict[str, dict[str,
                 "since": _iso(row["acquired_at"]),
                 "last_heartbeat": _iso(row["heartbeat_at"]),
                 "heartbeat_age": row["heartbeat_age"],
+                "fencing_token": row["fencing_token"],
             }
         # Waiting processes poll the lock file; they are not visible from outside.
         loops[loop] = {"lock_key": key, "leader": leader, "lock_held": held, "standbys": None}
@@ -141,7 +143,8 @@ def render_status(report: dict[str, Any]) -> str:
             lines.append(
                 f"{loop:<10} leader {leader['instance']} (host {leader.get('host') or '?'}, "
                 f"pid {leader.get('pid') or '?'}, since {leader.get('since') or '?'}, "
-                f"heartbeat {f'{age:.1f}s ago' if age is not None else '?'})"
+                f"heartbeat {f'{age:.1f}s ago' if age is not None else '?'}, "
+                f"fencing token {leader.get('fencing_token') or '?'})"
             )
         else:
             lines.append(f"{loop:<10} leader -")

@@ -12,8 +12,10 @@ another process (or from a leader that may be killed) write through
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -37,11 +39,15 @@ class Call:
     kind: str  # which target
     name: str | None
     slot: datetime | None
+    pid: int  # the daemon's own, or a worker process's (sync targets)
     thread: str
     in_task: bool  # ran as (part of) an asyncio task: on the event loop
 
 
 CALLS: list[Call] = []
+# Sync targets run in worker processes, where CALLS is another process's list: they also
+# append their calls to this file, when the environment names one (see `calls()`).
+CALLS_FILE_ENV = "PLUGIN_CALLS_FILE"
 
 
 def _record(kind: str, ctx: TaskContext | None) -> None:
@@ -49,15 +55,36 @@ def _record(kind: str, ctx: TaskContext | None) -> None:
         in_task = asyncio.current_task() is not None
     except RuntimeError:  # no running loop in this thread
         in_task = False
-    CALLS.append(
-        Call(
-            kind,
-            ctx.name if ctx else None,
-            ctx.slot if ctx else None,
-            threading.current_thread().name,
-            in_task,
-        )
+    call = Call(
+        kind,
+        ctx.name if ctx else None,
+        ctx.slot if ctx else None,
+        os.getpid(),
+        threading.current_thread().name,
+        in_task,
     )
+    CALLS.append(call)
+    if path := os.environ.get(CALLS_FILE_ENV):
+        entry = asdict(call) | {"slot": call.slot.isoformat() if call.slot else None}
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(entry) + "\n").encode())
+        finally:
+            os.close(fd)
+
+
+def calls() -> list[Call]:
+    """Every call so far, of this process and of its workers (by the file, if named)."""
+    path = os.environ.get(CALLS_FILE_ENV)
+    if not path or not os.path.exists(path):
+        return list(CALLS)
+    recorded = []
+    with open(path) as lines:
+        for line in lines:
+            entry = json.loads(line)
+            slot = datetime.fromisoformat(entry["slot"]) if entry["slot"] else None
+            recorded.append(Call(**entry | {"slot": slot}))
+    return recorded
 
 
 async def tick(ctx: TaskContext) -> None:
@@ -161,6 +188,8 @@ def not_a_mapping() -> list[Any]:
 
 
 def block_forever(ctx: TaskContext) -> None:
-    """A sync target that ignores ``ctx.cancelled``: the worst a plugin can do."""
-    _record("block_forever", ctx)
+    """A sync target that ignores ``ctx.cancelled``: the worst a plugin can do. It runs in
+    a worker process; ``$BLOCK_PID_FILE``, if set, receives that process's pid."""
+    if path := os.environ.get("BLOCK_PID_FILE"):
+        Path(path).write_text(str(os.getpid()))
     threading.Event().wait()

@@ -29,9 +29,15 @@ from rig.plugin import ci_is_set
 from rig.processes import Daemons, run_cli
 
 from scheduler_daemon.config import Settings, parse_duration
-from scheduler_daemon.daemon import EXIT_FORCED, EXIT_SOFTWARE
+from scheduler_daemon.daemon import EXIT_FORCED
 from scheduler_daemon.db.connect import open_store
-from scheduler_daemon.errors import EXIT_CONFIG, EXIT_OK, EXIT_UNAVAILABLE, InvalidInput
+from scheduler_daemon.errors import (
+    EXIT_CONFIG,
+    EXIT_OK,
+    EXIT_SOFTWARE,
+    EXIT_UNAVAILABLE,
+    InvalidInput,
+)
 from scheduler_daemon.http import HttpServer
 from scheduler_daemon.logs import get_logger
 from scheduler_daemon.metrics import Metrics

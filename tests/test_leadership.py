@@ -334,6 +334,7 @@ def test_status_shows_the_leader_and_both_standbys_for_each_loop(
         assert leader["pid"] == first.pid
         assert None not in (leader["since"], leader["last_heartbeat"])
         assert 0 <= leader["heartbeat_age"] < 3, leader  # heartbeats every 0.5 s
+        assert leader["fencing_token"] >= 1, leader
         assert sorted(s["instance"] for s in info["standbys"]) == ["beta", "gamma"]
 
     text = run_cli(["status"], {"SCHEDULER_DATABASE_URL": pg_url})
@@ -341,7 +342,7 @@ def test_status_shows_the_leader_and_both_standbys_for_each_loop(
     for loop in ("publish", "plugin"):
         assert re.search(
             rf"^{loop}\s+leader alpha \(host {re.escape(socket.gethostname())}, "
-            rf"pid {first.pid}, since \S+, heartbeat \d+\.\ds ago\)$",
+            rf"pid {first.pid}, since \S+, heartbeat \d+\.\ds ago, fencing token \d+\)$",
             text.stdout,
             re.M,
         ), text.stdout

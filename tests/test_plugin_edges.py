@@ -96,25 +96,39 @@ def test_a_leader_killed_mid_statement_frees_its_lock_promptly(
 
 
 @pytest.mark.postgres
-def test_a_deposed_leader_with_a_stuck_sync_task_exits_instead_of_running_beside_the_new(
-    daemons: Daemons, pg_url: str
+def test_a_deposed_leader_kills_its_stuck_sync_task_and_stands_by(
+    daemons: Daemons, pg_url: str, tmp_path: Path
 ) -> None:
     """SIGSTOP gets the leader evicted; on SIGCONT its sync task (which ignores
-    ctx.cancelled) is still running: the process must exit 70, not become a standby."""
+    ctx.cancelled) is still running. It runs in a worker process, which the deposed
+    leader kills at once; the replica itself carries on, as a standby."""
+    pid_file = tmp_path / "worker.pid"
     task = {"name": "stuck", "every": "1h", "target": "plugin_targets:block_forever"}
     env = {
         "SCHEDULER_DATABASE_URL": pg_url,
         "SCHEDULER_PLUGIN__TASKS": json.dumps([task]),
         **FAST_TIMINGS,
         "PYTHONPATH": TESTS,
+        "BLOCK_PID_FILE": str(pid_file),
     }
     leader = daemons.start(env | {"SCHEDULER_INSTANCE_ID": "a"}, args=["run", "--only", "plugin"])
     leader.wait_for_log("task.started", task="stuck")
     standby = daemons.start(env | {"SCHEDULER_INSTANCE_ID": "b"}, args=["run", "--only", "plugin"])
     standby.wait_for_log("leader.waiting")
+    deadline = time.monotonic() + 10
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    worker = int(pid_file.read_text())
     leader.signal(signal.SIGSTOP)
     standby.wait_for_log("leader.acquired", timeout=30)
     leader.signal(signal.SIGCONT)
-    assert leader.wait(timeout=30) == 70
-    died = leader.wait_for_log("loop.died")
-    assert "stuck" in died["error"]
+    leader.wait_for_log("leader.lost", timeout=15)
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not Path(f"/proc/{worker}").exists(), "the stuck worker outlived the leadership"
+    time.sleep(0.5)
+    assert leader.poll() is None, leader.output()[-2000:]
+    standby.wait_for_log("task.abandoned", task="stuck")
+    leader.signal(signal.SIGTERM)
+    assert leader.wait(timeout=20) == 0

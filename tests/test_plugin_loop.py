@@ -3,7 +3,8 @@ test can start, stop and restart it in well under a second), real databases, rea
 processes for `tasks ...`, and one real daemon process for the sample plugin's entry point.
 
 Evidence is read from the database (`scheduler_plugin_runs`, `scheduler_plugin_tasks`),
-which is what the guarantees are about, plus `plugin_targets.CALLS` for what ran where.
+which is what the guarantees are about, plus `plugin_targets.calls()` for what ran where
+(sync targets run in worker processes, which record their calls to a file).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from itertools import pairwise
+from pathlib import Path
 from typing import Any, TypeVar
 
 import aiosqlite
@@ -52,9 +54,11 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(autouse=True)
-def calls() -> Iterator[list[plugin_targets.Call]]:
+def calls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    # Worker processes get the daemon's environment as it is when a run starts.
+    monkeypatch.setenv(plugin_targets.CALLS_FILE_ENV, str(tmp_path / "calls.jsonl"))
     CALLS.clear()
-    yield CALLS
+    yield
     CALLS.clear()
 
 
@@ -254,15 +258,17 @@ async def test_interval_task_runs_each_slot_once(database_url: str, db: Db) -> N
         assert state["last_slot"] == slots[-1]
         assert state["next_run_at"] > slots[-1]
 
-    # What ran where: async targets on the event loop, sync ones in worker threads, each
-    # once per recorded run, with the context of its slot.
-    by_kind = {kind: [c for c in CALLS if c.kind == kind] for kind in ("async", "sync")}
+    # What ran where: async targets on the event loop, sync ones in worker processes (one
+    # per run), each once per recorded run, with the context of its slot.
+    recorded = plugin_targets.calls()
+    by_kind = {kind: [c for c in recorded if c.kind == kind] for kind in ("async", "sync")}
     assert [c.slot for c in by_kind["async"]] == [r["slot"] for r in await db.runs("async")]
     assert [c.slot for c in by_kind["sync"]] == [r["slot"] for r in await db.runs("sync")]
     main = threading.main_thread().name
-    assert all(c.in_task and c.thread == main for c in by_kind["async"])
-    assert all(not c.in_task and c.thread != main for c in by_kind["sync"])
-    bare = [c for c in CALLS if c.kind == "no_context"]
+    assert all(c.in_task and c.thread == main and c.pid == os.getpid() for c in by_kind["async"])
+    assert all(not c.in_task and c.pid != os.getpid() for c in by_kind["sync"])
+    assert len({c.pid for c in by_kind["sync"]}) == len(by_kind["sync"])
+    bare = [c for c in recorded if c.kind == "no_context"]
     assert len(bare) == len(await db.runs("bare"))
     assert all(c.name is None for c in bare)  # called without the context
 
@@ -353,8 +359,8 @@ async def test_timeout_is_recorded_and_the_loop_goes_on(
         assert {run["error"] for run in runs} == {"timed out after 0.3s"}
         for run in runs:  # the timeout ended it: not the next tick, not the shutdown
             assert run["finished_at"] - run["started_at"] < timedelta(seconds=3)
-    # The sync target could not be cancelled, but it was told to stop, and it did.
-    assert sum(c.kind == "hang_sync_saw_cancel" for c in CALLS) >= 2
+    # The sync target's worker was told to stop (SIGTERM sets ctx.cancelled), and it did.
+    assert sum(c.kind == "hang_sync_saw_cancel" for c in plugin_targets.calls()) >= 2
     assert events(logs, "task.timed_out", task="hangs")
 
 
@@ -373,7 +379,7 @@ async def test_overlapping_slot_is_skipped(database_url: str, db: Db) -> None:
     for run in runs:
         if run["status"] == "skipped_overlap":
             assert run["finished_at"] is not None
-    assert sum(c.kind == "slow" for c in CALLS) == len(executed)
+    assert sum(c.kind == "slow" for c in plugin_targets.calls()) == len(executed)
 
 
 # -- restarts, downtime, configuration changes -------------------------------------------

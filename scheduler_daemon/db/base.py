@@ -59,6 +59,11 @@ class Tx(Protocol):
     transaction holds the tick's ``pg_try_advisory_xact_lock``.
     """
 
+    #: The fencing token of the leadership this transaction is fenced by (None for an
+    #: administrative transaction, outside any loop). Python publishers hand it to the
+    #: systems they call, so that those can refuse a replaced leader.
+    fencing_token: int | None
+
     async def execute(self, sql: str, statement_timeout: float | None = None) -> None:
         """Run SQL (one or several statements, no parameters). ``statement_timeout`` replaces the
         session's statement timeout for this transaction (PostgreSQL); callers also bound

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from ..config import Settings
-from ..errors import DatabaseUnavailable, describe
+from ..errors import ConfigError, DatabaseUnavailable, describe
 from ..logs import Logger
 from .base import Store
 
@@ -70,6 +70,8 @@ async def within_startup_budget(
     while True:
         try:
             return await attempt()
+        except ConfigError:
+            raise  # refused configuration (e.g. an unsafe SQLite file): exit 78, not 69
         except Exception as exc:
             error = describe(exc)
             if not is_transient(exc):
@@ -92,26 +94,72 @@ async def within_startup_budget(
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Errors that say "not now" rather than "never": the server is down, starting,
-    unreachable or busy; a deadlock, serialization failure, lock or statement timeout.
-    Worth retrying later. Authentication failures, unknown databases and bad data are not:
-    retrying would only hide the message.
+    """Errors that say "not now" rather than "never", from connecting or talking to the
+    database: the server is down, starting, unreachable or busy (including a plain
+    ``OSError``/``TimeoutError`` from the socket); a deadlock, serialization failure, lock
+    or statement timeout. Worth retrying later. Authentication failures, unknown databases
+    and bad data are not: retrying would only hide the message.
+
+    For code that runs other people's code between database calls (publishers), a bare
+    ``OSError`` says nothing about the database: use :func:`is_transient_database_error`.
     """
+    if isinstance(exc, OSError | TimeoutError | ConnectionError):
+        return True
+    return _database_says_not_now(exc)
+
+
+def is_transient_database_error(exc: BaseException) -> bool:
+    """An error *raised by the database driver* (asyncpg, sqlite3) that says "not now":
+    the connection is lost or closed, the server is shutting down or out of resources, a
+    deadlock or serialization failure, a lock or statement timeout, SQLite busy/locked.
+
+    Unlike :func:`is_transient`, ``OSError`` and ``TimeoutError`` do not count: a
+    publisher's own network call raises those too, and a row that always makes it raise
+    must fail, not be retried for ever. (A connection that really died shows itself as a
+    driver error on the next statement, the savepoint's rollback included.) An exception
+    raised explicitly ``from`` such a driver error counts, so a publisher that wraps the
+    database's error keeps its meaning.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if _database_says_not_now(current):
+            return True
+        seen.add(id(current))
+        current = current.__cause__
+    return False
+
+
+def _database_says_not_now(exc: BaseException) -> bool:
     import sqlite3
 
     import asyncpg
+    from asyncpg import exceptions as pg
 
-    if isinstance(exc, OSError | TimeoutError | ConnectionError):
-        return True
     if isinstance(exc, sqlite3.OperationalError):
         return "locked" in str(exc) or "busy" in str(exc)
+    if isinstance(exc, asyncpg.InterfaceError):
+        # The connection is closed, or in use by something else. Its subclasses are about
+        # the call, not the moment: a parameter that cannot be encoded (DataError, a bad
+        # payload value), a client or server feature or setting that is missing.
+        return not isinstance(
+            exc,
+            pg.DataError
+            | pg.ClientConfigurationError
+            | pg.UnsupportedClientFeatureError
+            | pg.UnsupportedServerFeatureError,
+        )
+    if isinstance(exc, asyncpg.TransactionRollbackError):  # 40xxx: deadlock, serialization
+        return not isinstance(exc, pg.TransactionIntegrityConstraintViolationError)
     return isinstance(
         exc,
         asyncpg.PostgresConnectionError
-        | asyncpg.InterfaceError
-        | asyncpg.CannotConnectNowError
-        | asyncpg.TooManyConnectionsError
-        | asyncpg.TransactionRollbackError
-        | asyncpg.LockNotAvailableError
-        | asyncpg.QueryCanceledError,
+        | pg.OutdatedSchemaCacheError  # a concurrent schema change: the retry re-prepares
+        | asyncpg.CannotConnectNowError  # 57P03: starting up or shutting down
+        | asyncpg.AdminShutdownError  # 57P01: terminated (pg_terminate_backend, shutdown)
+        | asyncpg.CrashShutdownError  # 57P02
+        | pg.IdleSessionTimeoutError  # 57P05
+        | asyncpg.InsufficientResourcesError  # 53xxx: too many connections, disk full, memory
+        | asyncpg.LockNotAvailableError  # 55P03: lock_timeout, NOWAIT
+        | asyncpg.QueryCanceledError,  # 57014: statement_timeout, pg_cancel_backend
     )

@@ -41,14 +41,20 @@ def _publication(row: Mapping[str, Any]) -> Publication:
 
 
 class PgTx:
-    def __init__(self, conn: asyncpg.Connection) -> None:
+    def __init__(self, conn: asyncpg.Connection, fencing_token: int | None = None) -> None:
         self.conn = conn
+        self.fencing_token = fencing_token
 
     async def execute(self, sql: str, statement_timeout: float | None = None) -> None:
-        if statement_timeout is not None:
-            milliseconds = int(statement_timeout * 1000)
-            await self.conn.execute(f"SET LOCAL statement_timeout = {milliseconds}")
+        if statement_timeout is None:
+            await self.conn.execute(sql)
+            return
+        # Scoped to this statement: in transaction mode several runs share one transaction
+        # (savepoints), and a SET LOCAL would outlive the savepoint that made it.
+        previous = await self.conn.fetchval("SELECT current_setting('statement_timeout')")
+        await self.conn.execute(f"SET LOCAL statement_timeout = {int(statement_timeout * 1000)}")
         await self.conn.execute(sql)
+        await self.conn.execute("SELECT set_config('statement_timeout', $1, true)", previous)
 
     async def fetch(self, query: str, *args: Any) -> list[dict[str, Any]]:
         return [dict(row) for row in await self.conn.fetch(Q[query], *args)]

@@ -41,29 +41,51 @@ SELECT count(*) AS scheduled,
 FROM scheduler_publications
 WHERE status = 'scheduled'
 
+-- name: fencing_next
+-- A new leader's fencing token: one more than any before it for this loop. Run by the
+-- new leader, holding the lock, in the transaction that records it as leader.
+INSERT INTO scheduler_fencing AS f (loop, token, instance) VALUES ($1, 1, $2)
+ON CONFLICT (loop) DO UPDATE SET
+    token = f.token + 1, instance = EXCLUDED.instance, changed_at = now()
+RETURNING token
+
+-- name: fencing_touch
+-- Transaction mode: each winning transaction is a leadership of its own, but the token
+-- only moves when the winner is another instance, so one replica's consecutive ticks
+-- (and the runs they hand the lock to) share a token.
+INSERT INTO scheduler_fencing AS f (loop, token, instance) VALUES ($1, 1, $2)
+ON CONFLICT (loop) DO UPDATE SET
+    token = f.token + CASE WHEN f.instance = EXCLUDED.instance THEN 0 ELSE 1 END,
+    changed_at = CASE WHEN f.instance = EXCLUDED.instance THEN f.changed_at ELSE now() END,
+    instance = EXCLUDED.instance
+RETURNING token
+
 -- name: leader_claim
 -- Run on the lock connection right after the lock is granted.
 INSERT INTO scheduler_leaders
-    (loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at)
-VALUES ($1, $2, $3, $4, $5, pg_backend_pid(), now(), now())
+    (loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at,
+     fencing_token)
+VALUES ($1, $2, $3, $4, $5, pg_backend_pid(), now(), now(), $6)
 ON CONFLICT (loop, lock_key) DO UPDATE SET
     instance = EXCLUDED.instance,
     hostname = EXCLUDED.hostname, pid = EXCLUDED.pid, backend_pid = EXCLUDED.backend_pid,
-    acquired_at = EXCLUDED.acquired_at, heartbeat_at = EXCLUDED.heartbeat_at
+    acquired_at = EXCLUDED.acquired_at, heartbeat_at = EXCLUDED.heartbeat_at,
+    fencing_token = EXCLUDED.fencing_token
 RETURNING backend_pid, acquired_at
 
 -- name: leader_touch
 -- Transaction mode: the tick's own transaction records who ran it. acquired_at only moves
 -- when the instance changes, so it still says "leading since".
 INSERT INTO scheduler_leaders AS l
-    (loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at)
-VALUES ($1, $2, $3, $4, $5, pg_backend_pid(), now(), now())
+    (loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at,
+     fencing_token)
+VALUES ($1, $2, $3, $4, $5, pg_backend_pid(), now(), now(), $6)
 ON CONFLICT (loop, lock_key) DO UPDATE SET
     hostname = EXCLUDED.hostname, pid = EXCLUDED.pid,
     backend_pid = EXCLUDED.backend_pid, heartbeat_at = EXCLUDED.heartbeat_at,
     acquired_at = CASE WHEN l.instance = EXCLUDED.instance THEN l.acquired_at
                        ELSE EXCLUDED.acquired_at END,
-    instance = EXCLUDED.instance
+    instance = EXCLUDED.instance, fencing_token = EXCLUDED.fencing_token
 
 -- name: leader_heartbeat
 -- Through the pool, not the lock connection: it proves that the database itself still sees
@@ -81,6 +103,49 @@ RETURNING heartbeat_at
 -- name: leader_release
 DELETE FROM scheduler_leaders
 WHERE loop = $1 AND lock_key = $2 AND backend_pid = pg_backend_pid()
+
+-- name: fence_begin
+-- First statement of every fenced transaction on the lock connection. The session holds
+-- the lock, so this re-entrant transaction-level hold always succeeds for the holder (and
+-- fails if the session somehow lost it); while it lasts, SQL run inside the transaction
+-- cannot free the lock for anyone else, even with pg_advisory_unlock_all().
+SELECT pg_try_advisory_xact_lock($1)
+
+-- name: fence_restore
+-- Last statement before commit: drop one session-level hold and take it again (instant:
+-- the transaction-level hold keeps the lock ours meanwhile). `held` is false if SQL in the
+-- transaction had released the session lock; either way the session holds it once more
+-- when the transaction commits.
+SELECT u.held FROM (SELECT pg_advisory_unlock($1) AS held) u,
+LATERAL (SELECT pg_advisory_lock($1) WHERE u.held IS NOT NULL) l
+
+-- name: lock_held_here
+-- Whether this session holds the key (after a rollback, which may have ended the only
+-- hold left by SQL that ran pg_advisory_unlock_all()).
+SELECT EXISTS (
+    SELECT 1 FROM pg_locks
+    WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid() AND objsubid = 1
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND classid = (($1::bigint >> 32) & 4294967295)::oid
+      AND objid = ($1::bigint & 4294967295)::oid)
+
+-- name: lock_held_by
+-- Transaction mode's hold heartbeat, through the pool: backend $2 still holds key $1.
+SELECT EXISTS (
+    SELECT 1 FROM pg_locks
+    WHERE locktype = 'advisory' AND granted AND pid = $2 AND objsubid = 1
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND classid = (($1::bigint >> 32) & 4294967295)::oid
+      AND objid = ($1::bigint & 4294967295)::oid)
+
+-- name: lock_waiting
+-- Transaction mode hand-over: whether backend $2 is queued for key $1.
+SELECT EXISTS (
+    SELECT 1 FROM pg_locks
+    WHERE locktype = 'advisory' AND NOT granted AND pid = $2 AND objsubid = 1
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND classid = (($1::bigint >> 32) & 4294967295)::oid
+      AND objid = ($1::bigint & 4294967295)::oid)
 
 -- name: evict_stalled
 -- Terminate the backend holding a loop's lock when its leader has gone silent: its
@@ -109,7 +174,7 @@ WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
 SELECT l.pid, l.granted, a.application_name, a.backend_start, a.state,
        host(a.client_addr) AS client_addr,
        s.instance, s.hostname, s.pid AS os_pid, s.acquired_at, s.heartbeat_at,
-       extract(epoch FROM now() - s.heartbeat_at)::float8 AS heartbeat_age
+       extract(epoch FROM now() - s.heartbeat_at)::float8 AS heartbeat_age, s.fencing_token
 FROM pg_locks l
 JOIN pg_stat_activity a ON a.pid = l.pid
 LEFT JOIN scheduler_leaders s
@@ -122,7 +187,7 @@ ORDER BY l.granted DESC, a.backend_start
 
 -- name: leaders
 SELECT loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at,
-       extract(epoch FROM now() - heartbeat_at)::float8 AS heartbeat_age
+       extract(epoch FROM now() - heartbeat_at)::float8 AS heartbeat_age, fencing_token
 FROM scheduler_leaders ORDER BY loop
 
 -- Plugin loop. Everything below runs inside the tick's fenced transaction (Tx).
@@ -153,23 +218,14 @@ UPDATE scheduler_plugin_tasks SET active = false, updated_at = now()
 WHERE active AND NOT (name = ANY($1::text[]))
 
 -- name: runs_abandon_all
--- Sticky leadership just began, so every run still marked running belongs to a leader
--- whose session is gone: it can never record its result.
+-- Run by whoever holds the lock while none of its own runs is in flight (a sticky leader
+-- taking over; in transaction mode every tick that wins the lock). Runs execute only while
+-- their replica holds the lock, so a run still marked running is not executing anywhere:
+-- it can never record its result.
 UPDATE scheduler_plugin_runs
 SET status = 'abandoned', finished_at = now(), error = $1
 WHERE status = 'running'
 RETURNING name, slot, instance
-
--- name: runs_abandon_expired
-UPDATE scheduler_plugin_runs
-SET status = 'abandoned', finished_at = now(), error = $3
-WHERE name = $1 AND status = 'running' AND started_at < $2
-RETURNING name, slot, instance
-
--- name: run_in_flight
-SELECT slot, instance, started_at FROM scheduler_plugin_runs
-WHERE name = $1 AND status = 'running'
-LIMIT 1
 
 -- name: slot_claim
 INSERT INTO scheduler_plugin_runs (name, slot, instance, status, finished_at)
@@ -288,12 +344,14 @@ SELECT unnest($1::bigint[])
 ON CONFLICT (publication_id) DO NOTHING
 
 -- name: outbox_due
+-- In transaction mode the round's transaction keeps these rows locked while it POSTs.
 SELECT o.publication_id AS id, o.attempts, p.key, p.payload, p.publish_at, p.published_at
 FROM scheduler_webhook_outbox o
 JOIN scheduler_publications p ON p.id = o.publication_id
 WHERE o.status = 'pending' AND o.next_attempt_at <= now()
 ORDER BY o.next_attempt_at
 LIMIT $1
+FOR UPDATE OF o SKIP LOCKED
 
 -- name: outbox_delivered
 UPDATE scheduler_webhook_outbox

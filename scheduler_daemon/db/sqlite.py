@@ -25,6 +25,7 @@ from ..errors import DatabaseUnavailable
 from .base import AppliedMigration, Publication, PublicationStats, ScheduleResult
 from .common import explain_cancel_refusal
 from .sqlfiles import migrations, queries
+from .sqlite_file import check_database_file, real_path
 from .url import DatabaseUrl
 
 Q = queries("sqlite")
@@ -107,8 +108,9 @@ def from_db_row(row: sqlite3.Row) -> dict[str, Any]:
 
 
 class SqliteTx:
-    def __init__(self, conn: aiosqlite.Connection) -> None:
+    def __init__(self, conn: aiosqlite.Connection, fencing_token: int | None = None) -> None:
         self.conn = conn
+        self.fencing_token = fencing_token
         self._savepoints = itertools.count()
 
     async def execute(self, sql: str, statement_timeout: float | None = None) -> None:
@@ -142,16 +144,23 @@ class SqliteTx:
 class SqliteStore:
     backend: Final = "sqlite"
 
-    def __init__(self, url: DatabaseUrl, conn: aiosqlite.Connection) -> None:
+    def __init__(
+        self, url: DatabaseUrl, conn: aiosqlite.Connection, file: Path | None = None
+    ) -> None:
         self.url = url
         self.conn = conn
+        self._file = file
         self._lock = asyncio.Lock()
 
     @property
     def path(self) -> Path:
+        """The database file's real path (symlinks resolved when the store opened): what
+        the leader locks are named from, however ``database_url`` spells it."""
+        if self._file is not None:
+            return self._file
         path = self.url.sqlite_path
         assert path is not None  # DatabaseUrl refuses in-memory databases
-        return path
+        return real_path(path)
 
     @classmethod
     async def open(cls, settings: Settings) -> SqliteStore:
@@ -160,7 +169,9 @@ class SqliteStore:
         if not path.parent.is_dir():
             # Not worth retrying: no amount of waiting creates the directory.
             raise DatabaseUnavailable(f"directory {path.parent} does not exist")
-        conn = await aiosqlite.connect(path, isolation_level=None)
+        # Refuses (ConfigError, exit 78) a hard-linked file or a network filesystem.
+        real = check_database_file(path)
+        conn = await aiosqlite.connect(real, isolation_level=None)
         try:
             conn.row_factory = sqlite3.Row
             busy_ms = int(settings.database.statement_timeout * 1000)
@@ -171,7 +182,7 @@ class SqliteStore:
         except BaseException:
             await conn.close()
             raise
-        return cls(settings.database_url, conn)
+        return cls(settings.database_url, conn, real)
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[SqliteTx]:

@@ -41,15 +41,24 @@ SELECT count(*) AS scheduled,
 FROM scheduler_publications
 WHERE status = 'scheduled'
 
+-- name: fencing_next
+INSERT INTO scheduler_fencing AS f (loop, token, instance) VALUES (?1, 1, ?2)
+ON CONFLICT (loop) DO UPDATE SET
+    token = f.token + 1, instance = excluded.instance,
+    changed_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
+RETURNING token
+
 -- name: leader_claim
 INSERT INTO scheduler_leaders
-    (loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at)
-VALUES (?, ?, ?, ?, ?, NULL, strftime('%Y-%m-%dT%H:%M:%fZ', 'now'),
-        strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
+    (loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at,
+     fencing_token)
+VALUES (?1, ?2, ?3, ?4, ?5, NULL, strftime('%Y-%m-%dT%H:%M:%fZ', 'now'),
+        strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), ?6)
 ON CONFLICT (loop, lock_key) DO UPDATE SET
     instance = excluded.instance,
     hostname = excluded.hostname, pid = excluded.pid, backend_pid = NULL,
-    acquired_at = excluded.acquired_at, heartbeat_at = excluded.heartbeat_at
+    acquired_at = excluded.acquired_at, heartbeat_at = excluded.heartbeat_at,
+    fencing_token = excluded.fencing_token
 
 -- name: leader_heartbeat
 UPDATE scheduler_leaders SET heartbeat_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
@@ -61,7 +70,7 @@ WHERE loop = ?1 AND lock_key = ?2 AND instance = ?3 AND pid = ?4
 
 -- name: leaders
 SELECT loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at,
-       (julianday('now') - julianday(heartbeat_at)) * 86400.0 AS heartbeat_age
+       (julianday('now') - julianday(heartbeat_at)) * 86400.0 AS heartbeat_age, fencing_token
 FROM scheduler_leaders ORDER BY loop
 
 -- Plugin loop. Parameters are numbered (?1, ?2, …) in the same order as postgres.sql.
@@ -98,17 +107,6 @@ UPDATE scheduler_plugin_runs
 SET status = 'abandoned', finished_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), error = ?1
 WHERE status = 'running'
 RETURNING name, slot, instance
-
--- name: runs_abandon_expired
-UPDATE scheduler_plugin_runs
-SET status = 'abandoned', finished_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), error = ?3
-WHERE name = ?1 AND status = 'running' AND julianday(started_at) < julianday(?2)
-RETURNING name, slot, instance
-
--- name: run_in_flight
-SELECT slot, instance, started_at FROM scheduler_plugin_runs
-WHERE name = ?1 AND status = 'running'
-LIMIT 1
 
 -- name: slot_claim
 INSERT INTO scheduler_plugin_runs (name, slot, instance, status, finished_at)

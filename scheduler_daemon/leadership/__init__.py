@@ -15,9 +15,17 @@ from ..config import Settings
 from ..db.base import Store
 from ..logs import Logger
 from ..metrics import Metrics
-from .base import Guard, LeadershipLost, Lease, NotLeader, Stopping
+from .base import Guard, LeadershipLost, Lease, NotLeader, PendingHold, Stopping
 
-__all__ = ["Guard", "LeadershipLost", "Lease", "NotLeader", "Stopping", "make_guard"]
+__all__ = [
+    "Guard",
+    "LeadershipLost",
+    "Lease",
+    "NotLeader",
+    "PendingHold",
+    "Stopping",
+    "make_guard",
+]
 
 
 def make_guard(

@@ -7,24 +7,39 @@ A loop's runner does::
             await lease.run_tick(lambda: work.tick(...))   # cancelled if leadership is lost
             ...
 
-and the tick does its database work in ``async with lease.transaction() as tx`` — a
-transaction that can only commit while this replica still holds the lock (fencing).
+The tick does its database work in ``async with lease.transaction() as tx`` — a
+transaction that can only commit while this replica still holds the lock (fencing) — and
+starts work that outlives it (a plugin run, the webhook deliverer) with ``lease.spawn``.
+
+The rule every guard keeps: **the lock is never released while work of the leadership may
+still run.** Everything the leadership started is registered with its lease; when
+leadership ends, for whatever reason, the guard stops that work first
+(:meth:`LeaseState.stop_work`) and only then lets the lock go. Work that cannot be stopped
+within ``lock.stop_grace`` ends the process instead: the kernel closes the lock's socket
+(or file) only once every thread of the process is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
-from typing import Generic, Protocol, TypeVar
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from types import TracebackType
+from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
-from ..aio import unless_set
 from ..config import Settings
 from ..db.base import Tx
+from ..errors import EXIT_SOFTWARE, describe
 from ..logs import Logger
 from ..metrics import Metrics
 
 T = TypeVar("T")
+
+# A SIGKILLed worker is dead and reaped within milliseconds; this covers a loaded machine.
+KILL_WAIT = 0.25
 
 
 class LeadershipLost(Exception):
@@ -44,17 +59,72 @@ class Stopping(Exception):
 
 
 class Lease(Protocol):
+    """Proof of leadership, and the owner of everything done under it."""
+
     @property
-    def lost(self) -> asyncio.Event: ...
+    def lost(self) -> asyncio.Event:
+        """Set when leadership ends unasked (heartbeat, eviction, connection lost)."""
+        ...
+
+    @property
+    def gone(self) -> asyncio.Event:
+        """Set when the lock may already be free — another replica may be running — so
+        work is stopped at once (worker processes SIGKILLed), without any grace."""
+        ...
 
     @property
     def reason(self) -> str | None:
         """Why leadership was lost (None while it holds)."""
         ...
 
+    @property
+    def fencing_token(self) -> int:
+        """The loop's fencing token for this leadership (grows with every change of leader)."""
+        ...
+
+    def fresh(self) -> bool:
+        """Whether the lock was proven held recently enough that this process cannot have
+        been evicted meanwhile (False after a freeze longer than the step-down bound)."""
+        ...
+
     def transaction(self) -> AbstractAsyncContextManager[Tx]: ...
 
     async def run_tick(self, tick: Callable[[], Awaitable[T]]) -> T: ...
+
+    def spawn(self, work: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+        """Start work that belongs to this leadership: cancelled the moment it is lost,
+        and waited for (or killed) before the lock is released."""
+        ...
+
+    def hold(self) -> AbstractAsyncContextManager[Lease]:
+        """Keep the lock for the body's duration, for work done outside the database (a
+        webhook POST). Session mode and SQLite hold it anyway; transaction mode competes
+        for it (:class:`NotLeader` if another replica has it)."""
+        ...
+
+    async def hold_after(self, tx: Tx) -> PendingHold:
+        """A hold that takes the lock over from ``tx`` (a transaction of this lease, which
+        holds it) the moment ``tx`` ends, so that nobody can take it in between. Call
+        inside ``tx``; enter the hold after ``tx`` committed, or ``discard()`` it if
+        ``tx`` failed."""
+        ...
+
+
+class PendingHold(Protocol):
+    """A hold prepared inside a transaction, to be entered once that transaction ended."""
+
+    async def __aenter__(self) -> Lease: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+    async def discard(self) -> None:
+        """Give the hold up unentered: what it was to run was rolled back."""
+        ...
 
 
 class Guard(Protocol):
@@ -62,7 +132,8 @@ class Guard(Protocol):
 
     def leadership(self) -> AbstractAsyncContextManager[Lease]:
         """Wait until this replica leads the loop (raise :class:`Stopping` if the daemon
-        stops first), hold leadership for the ``async with`` body, then release it."""
+        stops first), hold leadership for the ``async with`` body, then release it — after
+        every piece of work of the leadership has stopped."""
         ...
 
 
@@ -91,31 +162,199 @@ class GuardBase(Generic[StoreT]):
         self.stop = stop
 
 
+class _AlreadyHeld:
+    """The hold of a sticky lease: the lock is held anyway, so there is nothing to take."""
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+
+    async def __aenter__(self) -> Lease:
+        if self.lease.lost.is_set():
+            raise LeadershipLost(self.lease.reason or "lost")
+        return self.lease
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        return None
+
+    async def discard(self) -> None:
+        return None
+
+
+def exit_now(log: Logger, reason: str, **fields: Any) -> NoReturn:
+    """End the process at once: the last resort when work cannot be stopped otherwise.
+
+    ``os._exit`` rather than an exception: nothing may run after this (no finally block
+    that releases the lock, no interpreter shutdown while a thread still works). The kernel
+    kills every thread, then closes the lock's socket or file; worker processes follow
+    through their lifeline. The supervisor restarts us (exit 70).
+    """
+    log.error("leader.work_unstoppable", reason=reason, **fields)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_SOFTWARE)
+
+
 class LeaseState:
-    """Loss signalling and tick cancellation, common to every lease."""
+    """Loss signalling, the work a leadership started, and stopping it: common to every
+    lease."""
 
-    def __init__(self) -> None:
+    def __init__(self, fencing_token: int, settings: Settings, log: Logger) -> None:
         self.lost = asyncio.Event()
+        self.gone = asyncio.Event()
         self.reason: str | None = None
+        self.fencing_token = fencing_token
+        self.settings = settings
+        self.log = log
+        self.last_proven = time.monotonic()
+        self._work: set[asyncio.Task[Any]] = set()
 
-    def lose(self, reason: str) -> bool:
-        """Mark leadership lost; the running tick is cancelled. True the first time."""
+    def lose(self, reason: str, *, gone: bool) -> bool:
+        """Mark leadership lost and cancel its work. ``gone``: the lock may be free already
+        (it can be set by a later call, which then hurries the stopping along). True the
+        first time."""
+        if gone:
+            self.gone.set()
         if self.lost.is_set():
             return False
         self.reason = reason
         self.lost.set()
+        for task in self._work:
+            task.cancel()
         return True
 
-    async def run_tick(self, tick: Callable[[], Awaitable[T]]) -> T:
-        """Run one tick as a child task that is cancelled the moment leadership is lost,
-        so a deposed leader stops working instead of finishing a tick it no longer owns."""
+    def fresh(self) -> bool:
         if self.lost.is_set():
+            return False
+        return time.monotonic() - self.last_proven <= self.settings.lock.step_down_after
+
+    def spawn(self, work: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+        if self.lost.is_set():
+            work.close()
             raise LeadershipLost(self.reason or "lost")
+        task = asyncio.create_task(work, name=name)
+        self.adopt(task)
+        return task
+
+    def adopt(self, task: asyncio.Task[Any]) -> None:
+        """Count ``task`` as work of this lease (cancelled with it, waited for by it)."""
+        self._work.add(task)
+        task.add_done_callback(self._work.discard)
+
+    async def run_tick(self, tick: Callable[[], Awaitable[T]]) -> T:
+        """Run one tick as work of this lease: it is cancelled the moment leadership is
+        lost, and this returns at once then (``stop_work`` waits for it to end)."""
 
         async def call() -> T:
             return await tick()
 
-        outcome = await unless_set(call(), self.lost)
-        if outcome.cancelled():
+        task = self.spawn(call(), name="tick")
+        lost = asyncio.ensure_future(self.lost.wait())
+        try:
+            await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            if not task.done():
+                task.cancel()  # lost, or our caller was cancelled
+        if not task.done() or (self.lost.is_set() and task.cancelled()):
             raise LeadershipLost(self.reason or "lost")
-        return outcome.result()
+        return task.result()
+
+    def transaction(self) -> AbstractAsyncContextManager[Tx]:
+        raise NotImplementedError  # each guard's lease fences its own way
+
+    @asynccontextmanager
+    async def hold(self) -> AsyncIterator[Lease]:
+        # A sticky lease holds the lock continuously: nothing to take.
+        if self.lost.is_set():
+            raise LeadershipLost(self.reason or "lost")
+        yield self
+
+    async def hold_after(self, tx: Tx) -> PendingHold:
+        return _AlreadyHeld(self)
+
+    async def stop_work(self) -> None:
+        """Cancel the work still running and wait until all of it has ended.
+
+        Worker processes are SIGTERMed and SIGKILLed within ``stop_grace`` (at once when
+        the lock may be gone); async work gets the same time to unwind. Whatever is still
+        running after that ignores cancellation and cannot be stopped from here: the
+        process exits rather than let the lock go while it runs.
+        """
+        pending = {task for task in self._work if not task.done()}
+        if not pending:
+            return
+        for task in pending:
+            task.cancel()
+        grace = self.settings.lock.stop_grace + KILL_WAIT
+        started = time.monotonic()
+        _, still_running = await asyncio.wait(pending, timeout=grace)
+        if still_running:
+            exit_now(
+                self.log,
+                f"work still running {grace:g}s after it was cancelled; exiting so that it "
+                "cannot run on beside the next leader",
+                tasks=sorted(task.get_name() for task in still_running),
+            )
+        self.log.debug("leader.work_stopped", tasks=len(pending), seconds=_since(started))
+
+
+def _discard_outcome(task: asyncio.Future[Any]) -> None:
+    """Retrieve an abandoned proof's outcome, so asyncio does not report it."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def heartbeat(
+    lease: LeaseState,
+    prove: Callable[[], Awaitable[bool]],
+    lose: Callable[[str, bool], None],
+    on_failure: Callable[[], None] = lambda: None,
+) -> None:
+    """Prove the lock every ``heartbeat_interval`` until a proof fails; then call
+    ``lose(reason, gone)`` and return.
+
+    ``prove()`` answers whether the database still sees us holding the lock. A proof that
+    does not answer within one interval counts as failed: that is how a silently cut
+    network shows (the lock may still be ours, so ``gone`` is False and the work gets its
+    grace). A heartbeat that itself comes late means the process was frozen, long enough
+    for a standby to have evicted us (``gone``).
+    """
+    interval = lease.settings.lock.heartbeat_interval
+    while True:
+        await asyncio.sleep(interval)
+        silent_for = time.monotonic() - lease.last_proven
+        if silent_for > lease.settings.lock.step_down_after:
+            lose(f"heartbeat {silent_for:.1f}s late (process stalled)", True)
+            return
+        # Not `asyncio.timeout` around the queries: on a silently dead socket asyncpg's
+        # pool cannot finish cancelling a query (releasing the connection waits for the
+        # server's answer), so a cancelled heartbeat would hang with it. Wait for the
+        # proof in a task of its own and abandon it when it is late.
+        proof = asyncio.ensure_future(prove())
+        try:
+            await asyncio.wait({proof}, timeout=interval)
+        finally:
+            if not proof.done():
+                proof.cancel()
+                proof.add_done_callback(_discard_outcome)
+        if not proof.done():
+            on_failure()
+            lose(f"heartbeat failed: no answer within {interval:g}s", False)
+            return
+        if (exc := proof.exception()) is not None:
+            on_failure()
+            lose(f"heartbeat failed: {describe(exc)}", False)
+            return
+        if not proof.result():
+            lose("lock no longer held (evicted or session ended)", True)
+            return
+        lease.last_proven = time.monotonic()
+
+
+def _since(started: float) -> float:
+    return round(time.monotonic() - started, 4)

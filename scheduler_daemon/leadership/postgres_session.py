@@ -11,8 +11,11 @@ lock over the moment the leader's session ends. Each wait is bounded by ``lock_t
 
 While leading, a heartbeat task proves every ``heartbeat_interval``, through the pool,
 that the database still sees our backend holding the key, and pings the lock connection
-when no tick is using it. Any failure, or a heartbeat that comes late because the process
-was frozen, makes the leader step down: cancel the tick, drop the connection.
+when no tick is using it. The lock connection's own end is noticed at once (asyncpg's
+termination listener): a terminated backend, a restarted server. Any of these ends the
+leadership: its work is cancelled and waited for, and only then is the connection closed.
+The order matters where the server can still hear us (the pool broke, the lock connection
+did not): closing first would hand the lock to a standby while our runs still run.
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
 from datetime import datetime
+from typing import Any
 
 import asyncpg
 
@@ -32,32 +35,35 @@ from ..config import LockSettings, Settings
 from ..db.postgres import PgTx, PostgresStore
 from ..db.sqlfiles import queries
 from ..errors import describe
-from .base import GuardBase, LeaseState, Stopping
+from ..logs import Logger
+from .base import GuardBase, LeadershipLost, LeaseState, Stopping, heartbeat
 
 Q = queries("postgres")
 
 
-def _discard_outcome(task: asyncio.Future[bool]) -> None:
-    """Retrieve an abandoned heartbeat's outcome, so asyncio does not report it."""
-    if not task.cancelled():
-        task.exception()
-
-
 def session_keepalive_settings(settings: Settings) -> dict[str, str]:
-    """Per-session TCP settings, so the server drops a vanished leader in bounded time."""
-    lock = settings.lock
-    return {
-        "tcp_keepalives_idle": str(max(1, round(lock.keepalive_idle))),
-        "tcp_keepalives_interval": str(max(1, round(lock.keepalive_interval))),
-        "tcp_keepalives_count": str(lock.keepalive_count),
-        "tcp_user_timeout": str(int(lock.tcp_user_timeout * 1000)),
-    }
+    """Per-session TCP settings, so the server drops a vanished leader in bounded time.
+
+    Exactly the values config.py checked the step-down arithmetic on (whole seconds,
+    tcp_user_timeout in whole milliseconds): nothing is rounded here.
+    """
+    return {name: str(value) for name, value in settings.lock.server_tcp_settings().items()}
 
 
 class SessionLease(LeaseState):
-    def __init__(self, conn: asyncpg.Connection, backend_pid: int, since: datetime) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        conn: asyncpg.Connection,
+        key: int,
+        backend_pid: int,
+        since: datetime,
+        fencing_token: int,
+        settings: Settings,
+        log: Logger,
+    ) -> None:
+        super().__init__(fencing_token, settings, log)
         self.conn = conn
+        self.key = key
         self.backend_pid = backend_pid
         self.since = since
         # One user of the connection at a time: the tick's transaction or a heartbeat ping.
@@ -65,8 +71,36 @@ class SessionLease(LeaseState):
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[PgTx]:
-        async with self.conn_lock, self.conn.transaction():
-            yield PgTx(self.conn)
+        """A transaction on the lock connection, fenced twice over: it cannot commit once
+        the session is gone, and SQL run inside it cannot release the lock (see
+        ``fence_begin`` / ``fence_restore`` in postgres.sql)."""
+        async with self.conn_lock:
+            if self.lost.is_set():
+                raise LeadershipLost(self.reason or "lost")
+            try:
+                async with self.conn.transaction():
+                    if not await self.conn.fetchval(Q["fence_begin"], self.key):
+                        self.lose("the lock connection no longer holds the lock", gone=True)
+                        raise LeadershipLost(self.reason or "lost")
+                    yield PgTx(self.conn, self.fencing_token)
+                    if not await self.conn.fetchval(Q["fence_restore"], self.key):
+                        self.log.warning(
+                            "leader.lock_restored",
+                            hint="SQL run in a fenced transaction released the loop's lock "
+                            "(pg_advisory_unlock_all?); it was held throughout and is held again",
+                        )
+            except Exception:
+                await self._check_after_rollback()
+                raise
+
+    async def _check_after_rollback(self) -> None:
+        """The rollback ended the transaction-level hold; if SQL in it had also released
+        the session lock, nothing holds the lock any more."""
+        if self.lost.is_set() or self.conn.is_closed() or self.conn.is_in_transaction():
+            return
+        with suppress(Exception):
+            if not await asyncio.wait_for(self.conn.fetchval(Q["lock_held_here"], self.key), 1):
+                self.lose("SQL run in a fenced transaction released the loop's lock", gone=True)
 
 
 class SessionGuard(GuardBase[PostgresStore]):
@@ -85,31 +119,56 @@ class SessionGuard(GuardBase[PostgresStore]):
                 # socket only when the statement ends, and holds the lock until then.
                 await conn.execute("SET client_connection_check_interval = 1000")
             await self._wait_for_lock(conn)
-            row = await conn.fetchrow(
-                Q["leader_claim"],
-                self.loop,
-                self.key,
-                self.settings.instance_id,
-                socket.gethostname(),
-                os.getpid(),
-            )
+            async with conn.transaction():
+                token = await conn.fetchval(Q["fencing_next"], self.loop, self.settings.instance_id)
+                row = await conn.fetchrow(
+                    Q["leader_claim"],
+                    self.loop,
+                    self.key,
+                    self.settings.instance_id,
+                    socket.gethostname(),
+                    os.getpid(),
+                    token,
+                )
         except BaseException:
             conn.terminate()
             raise
-        lease = SessionLease(conn, row["backend_pid"], row["acquired_at"])
+        lease = SessionLease(
+            conn, self.key, row["backend_pid"], row["acquired_at"], token, self.settings, self.log
+        )
+        on_closed = self._on_closed(lease)
+        conn.add_termination_listener(on_closed)
         self.metrics.leader.labels(self.loop).set(1)
         self.metrics.leadership_changes.labels(self.loop, "acquired").inc()
-        self.log.info("leader.acquired", key=self.key, backend_pid=lease.backend_pid)
-        heartbeat = asyncio.create_task(self._heartbeat(lease), name=f"heartbeat:{self.loop}")
+        self.log.info(
+            "leader.acquired", key=self.key, backend_pid=lease.backend_pid, fencing_token=token
+        )
+        beat = heartbeat(
+            lease,
+            lambda: self._prove(lease),
+            lambda reason, gone: self._lose(lease, reason, gone),
+            self.metrics.heartbeat_failures.labels(self.loop).inc,
+        )
+        beating = asyncio.create_task(beat, name=f"heartbeat:{self.loop}")
         clean_exit = False
         try:
             yield lease
             clean_exit = True
         finally:
-            heartbeat.cancel()
-            await asyncio.wait({heartbeat})
+            # Work first, lock last: nothing of this leadership may run once it is free.
+            await lease.stop_work()
+            beating.cancel()
+            await asyncio.wait({beating})
+            conn.remove_termination_listener(on_closed)
             self.metrics.leader.labels(self.loop).set(0)
             await self._release(lease, graceful=clean_exit and not lease.lost.is_set())
+
+    def _on_closed(self, lease: SessionLease) -> Callable[[Any], None]:
+        def closed(_conn: Any) -> None:
+            # The session is over, so is the lock: a standby may be granted it right now.
+            self._lose(lease, "lock connection closed", gone=True)
+
+        return closed
 
     async def _wait_for_lock(self, conn: asyncpg.Connection) -> None:
         self.metrics.lock_waits.labels(self.loop).inc()
@@ -146,41 +205,6 @@ class SessionGuard(GuardBase[PostgresStore]):
             return False  # lock_timeout: still a standby, and our connection is alive
         return True
 
-    async def _heartbeat(self, lease: SessionLease) -> None:
-        interval = self.lock.heartbeat_interval
-        last_ok = time.monotonic()
-        while True:
-            await asyncio.sleep(interval)
-            silent_for = time.monotonic() - last_ok
-            if silent_for > self.lock.step_down_after:
-                # We were frozen (SIGSTOP, a blocked event loop): a standby may have
-                # evicted us already. Do not trust the connection; step down.
-                self._lose(lease, f"heartbeat {silent_for:.1f}s late (process stalled)")
-                return
-            # Not `asyncio.timeout` around the queries: on a silently dead socket asyncpg's
-            # pool cannot finish cancelling a query (releasing the connection waits for
-            # the server's answer), so a cancelled heartbeat would hang with it. Wait for
-            # the proof in a task of its own and abandon it when it is late.
-            proof = asyncio.ensure_future(self._prove(lease))
-            try:
-                await asyncio.wait({proof}, timeout=interval)
-            finally:
-                if not proof.done():
-                    proof.cancel()
-                    proof.add_done_callback(_discard_outcome)
-            if not proof.done():
-                self.metrics.heartbeat_failures.labels(self.loop).inc()
-                self._lose(lease, f"heartbeat failed: no answer within {interval:g}s")
-                return
-            if (exc := proof.exception()) is not None:
-                self.metrics.heartbeat_failures.labels(self.loop).inc()
-                self._lose(lease, f"heartbeat failed: {describe(exc)}")
-                return
-            if not proof.result():
-                self._lose(lease, "lock no longer held (evicted or session ended)")
-                return
-            last_ok = time.monotonic()
-
     async def _prove(self, lease: SessionLease) -> bool:
         """One heartbeat: the database still sees our backend holding the key (False if
         not), and the lock connection answers."""
@@ -198,13 +222,10 @@ class SessionGuard(GuardBase[PostgresStore]):
                 await lease.conn.fetchval("SELECT 1")
         return True
 
-    def _lose(self, lease: SessionLease, reason: str) -> None:
-        if lease.lose(reason):
+    def _lose(self, lease: SessionLease, reason: str, gone: bool) -> None:
+        if lease.lose(reason, gone=gone):
             self.metrics.leadership_changes.labels(self.loop, "lost").inc()
-            self.log.warning("leader.lost", reason=reason)
-            # Closing the socket ends our session at once where the server can still hear
-            # us; where it cannot, keepalive/tcp_user_timeout end it after we stopped.
-            lease.conn.terminate()
+            self.log.warning("leader.lost", reason=reason, lock_may_be_free=gone)
 
     async def _release(self, lease: SessionLease, graceful: bool) -> None:
         if graceful:
@@ -219,7 +240,9 @@ class SessionGuard(GuardBase[PostgresStore]):
             except Exception as exc:
                 self.log.warning("leader.release_failed", error=describe(exc))
         # Not graceful (lost, cancelled mid-tick, release failed): closing the socket
-        # ends the session, which frees the lock and aborts any open transaction.
+        # ends the session, which frees the lock and aborts any open transaction. Where
+        # the server cannot hear us, keepalive / tcp_user_timeout end it later — after our
+        # work stopped, which is what the timing arithmetic in config.py guarantees.
         lease.conn.terminate()
         if not lease.lost.is_set():
             self.metrics.leadership_changes.labels(self.loop, "stepped_down").inc()

@@ -1,19 +1,25 @@
-"""PostgreSQL ``transaction`` mode: one ``pg_try_advisory_xact_lock`` per transaction.
+"""PostgreSQL ``transaction`` mode: the lock lives exactly as long as one transaction.
 
 For deployments behind a transaction pooler (PgBouncer ``pool_mode = transaction``),
 where session state does not survive a statement. Every transaction a tick opens takes
-the lock first and skips the tick (:class:`NotLeader`) if another replica holds it; the
-work and the lock commit or roll back together, which is the fencing. There is nothing
-sticky: each tick competes afresh, so replicas take turns, which is harmless because
-due-ness is decided from database state.
+``pg_try_advisory_xact_lock`` first and skips the tick (:class:`NotLeader`) if another
+replica holds it; the work and the lock commit or roll back together, which is the
+fencing. Nothing is sticky: each tick competes afresh, so replicas take turns, which is
+harmless because due-ness is decided from database state.
 
-Only the tick's own transactions compete that way. A transaction opened by another task
-(a claimed slot's run, its result, a webhook delivery) is work this replica already owns in
-the database: it *waits* for the lock (``lock_timeout`` = ``stall_timeout``) rather than
-being dropped because another replica's tick held the lock for a moment.
+Work done *outside* the database (a Python task, a webhook POST) must hold the lock too,
+or two replicas would run the loop's work at once. It runs inside a **hold**
+(:class:`TransactionHold`): one transaction, on a pooled connection, that keeps the lock
+while the work goes on, heartbeats (``SELECT 1``) so that it never sits idle past
+``idle_in_transaction_session_timeout``, records the work's results in savepoints, and
+commits when the work is done. A hold either competes like a tick (:meth:`hold`, the
+webhook deliverer) or takes the lock over from the tick that claimed its work
+(:meth:`hold_after`): it queues for the lock inside the tick's transaction, so when the
+tick commits PostgreSQL grants it the lock in the same step, and nobody can take it in
+between.
 
-A leader frozen inside a transaction is cut off by the server after ``stall_timeout``
-(``idle_in_transaction_session_timeout``), which aborts its work and frees the lock.
+A client frozen inside a transaction is cut off by the server after ``stall_timeout``
+(``idle_in_transaction_session_timeout``), which aborts its transaction and frees the lock.
 """
 
 from __future__ import annotations
@@ -21,74 +27,41 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
+from types import TracebackType
+from typing import Any
 
 import asyncpg
 
+from ..db.base import Tx
 from ..db.postgres import PgTx, PostgresStore
 from ..db.sqlfiles import queries
-from .base import GuardBase, LeaseState, NotLeader
+from ..errors import describe
+from .base import (
+    GuardBase,
+    LeadershipLost,
+    Lease,
+    LeaseState,
+    NotLeader,
+    PendingHold,
+    heartbeat,
+)
 
 Q = queries("postgres")
-T = TypeVar("T")
 
-
-class TransactionLease(LeaseState):
-    def __init__(self, guard: TransactionGuard) -> None:
-        super().__init__()
-        self.guard = guard
-        self._tick_task: asyncio.Task[Any] | None = None
-
-    async def run_tick(self, tick: Callable[[], Awaitable[T]]) -> T:
-        async def marked() -> T:
-            self._tick_task = asyncio.current_task()  # its transactions compete
-            return await tick()
-
-        return await super().run_tick(marked)
-
-    @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[PgTx]:
-        guard = self.guard
-        competing = asyncio.current_task() is self._tick_task
-        async with guard.store.pool.acquire() as conn, conn.transaction():
-            stall_ms = int(guard.settings.lock.stall_timeout * 1000)
-            statement_ms = int(guard.settings.database.statement_timeout * 1000)
-            await conn.execute(
-                f"SET LOCAL idle_in_transaction_session_timeout = {stall_ms}; "
-                f"SET LOCAL statement_timeout = {statement_ms}"
-            )
-            if competing:
-                if not await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", guard.key):
-                    guard.note_leading(False)
-                    raise NotLeader(guard.loop)
-            else:
-                await conn.execute(f"SET LOCAL lock_timeout = {stall_ms}")
-                try:
-                    await conn.execute("SELECT pg_advisory_xact_lock($1)", guard.key)
-                except asyncpg.LockNotAvailableError:
-                    raise NotLeader(guard.loop) from None
-                await conn.execute("SET LOCAL lock_timeout = DEFAULT")
-            if competing:  # a tick, not a run recording its result: that is leading
-                await conn.execute(
-                    Q["leader_touch"],
-                    guard.loop,
-                    guard.key,
-                    guard.settings.instance_id,
-                    socket.gethostname(),
-                    os.getpid(),
-                )
-                guard.note_leading(True)
-            yield PgTx(conn)
+# How long a tick waits for its hand-over hold to be queued on the lock (one round trip
+# on a healthy server) before it gives up and rolls back what it claimed.
+HANDOVER_QUEUE_TIMEOUT = 5.0
 
 
 class TransactionGuard(GuardBase[PostgresStore]):
-    leading = False  # won the last tick's lock
+    leading = False  # won the last competing transaction's lock
 
     def note_leading(self, leading: bool) -> None:
-        """Log and count the edges only: with per-tick locks, "leader" means "won the
-        last tick"."""
+        """Log and count the edges only: with per-transaction locks, "leader" means "won
+        the last tick"."""
         if leading == self.leading:
             return
         self.leading = leading
@@ -100,8 +73,233 @@ class TransactionGuard(GuardBase[PostgresStore]):
 
     @asynccontextmanager
     async def leadership(self) -> AsyncIterator[TransactionLease]:
+        lease = TransactionLease(self)
         try:
-            yield TransactionLease(self)
+            yield lease
         finally:
+            await lease.stop_work()  # holds roll back; their work is stopped first
             if self.leading:
                 self.note_leading(False)
+
+    async def begin(self, conn: asyncpg.Connection) -> None:
+        """Per-transaction settings: nothing may be set for the session behind a pooler."""
+        stall_ms = int(self.settings.lock.stall_timeout * 1000)
+        statement_ms = int(self.settings.database.statement_timeout * 1000)
+        await conn.execute(
+            f"SET LOCAL idle_in_transaction_session_timeout = {stall_ms}; "
+            f"SET LOCAL statement_timeout = {statement_ms}"
+        )
+
+    async def compete(self, conn: asyncpg.Connection) -> int:
+        """Take the lock for this transaction or raise :class:`NotLeader`; return the
+        fencing token, recorded with the leader row in the same transaction."""
+        if not await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", self.key):
+            self.note_leading(False)
+            raise NotLeader(self.loop)
+        instance = self.settings.instance_id
+        token: int = await conn.fetchval(Q["fencing_touch"], self.loop, instance)
+        await conn.execute(
+            Q["leader_touch"],
+            self.loop,
+            self.key,
+            instance,
+            socket.gethostname(),
+            os.getpid(),
+            token,
+        )
+        self.note_leading(True)
+        return token
+
+
+class TransactionLease(LeaseState):
+    """Never lost as a whole: between transactions this replica holds nothing. Its work
+    (ticks, holds) is stopped when the loop stops leading."""
+
+    def __init__(self, guard: TransactionGuard) -> None:
+        super().__init__(0, guard.settings, guard.log)
+        self.guard = guard
+
+    def fresh(self) -> bool:
+        return not self.lost.is_set()
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[PgTx]:
+        async with self.guard.store.pool.acquire() as conn, conn.transaction():
+            await self.guard.begin(conn)
+            token = await self.guard.compete(conn)
+            self.fencing_token = token
+            yield PgTx(conn, token)
+
+    @asynccontextmanager
+    async def hold(self) -> AsyncIterator[Lease]:
+        hold = TransactionHold(self.guard, self)
+        await hold.compete()
+        async with hold:
+            yield hold
+
+    async def hold_after(self, tx: Tx) -> PendingHold:
+        assert isinstance(tx, PgTx)
+        hold = TransactionHold(self.guard, self)
+        await hold.queue_behind(tx)
+        return hold
+
+
+class TransactionHold(LeaseState):
+    """One transaction keeping the loop's lock while work runs outside the database.
+
+    Its ``transaction()`` gives savepoints in the held transaction (one at a time: they
+    share its connection), so the work's database writes and its results commit
+    together, when the hold ends — or never, if the hold was lost (the next winner of the
+    lock marks its runs abandoned).
+    """
+
+    def __init__(self, guard: TransactionGuard, parent: LeaseState) -> None:
+        super().__init__(0, guard.settings, guard.log)
+        self.guard = guard
+        self.parent = parent
+        self.conn_lock = asyncio.Lock()
+        self._conn: Any = None  # a pool connection (proxy), acquired for the hold's life
+        self._transaction: Any = None
+        self._backend = 0  # its server backend's pid, for the heartbeat's proof
+        self._granted: asyncio.Future[Any] | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._on_closed: Callable[[Any], None] | None = None
+
+    async def _open(self) -> asyncpg.Connection:
+        pool = self.guard.store.pool
+        self._conn = await pool.acquire()
+        try:
+            self._transaction = self._conn.transaction()
+            await self._transaction.start()
+            await self.guard.begin(self._conn)
+            self._backend = await self._conn.fetchval("SELECT pg_backend_pid()")
+        except BaseException:
+            await self._close(commit=False)
+            raise
+        return self._conn
+
+    async def compete(self) -> None:
+        conn = await self._open()
+        try:
+            self.fencing_token = await self.guard.compete(conn)
+        except BaseException:
+            await self._close(commit=False)
+            raise
+
+    async def queue_behind(self, tx: PgTx) -> None:
+        """Queue for the lock that ``tx`` holds, and return once the server shows us
+        waiting: from then on, ``tx`` ending hands the lock straight to us."""
+        conn = await self._open()
+        try:
+            self.fencing_token = tx.fencing_token or 0  # same instance, same leadership
+            stall_ms = int(self.settings.lock.stall_timeout * 1000)
+            await conn.execute(f"SET LOCAL lock_timeout = {stall_ms}")
+            self._granted = asyncio.ensure_future(
+                conn.execute("SELECT pg_advisory_xact_lock($1)", self.guard.key)
+            )
+            deadline = time.monotonic() + HANDOVER_QUEUE_TIMEOUT
+            while not await tx.conn.fetchval(Q["lock_waiting"], self.guard.key, self._backend):
+                if self._granted.done():
+                    self._granted.result()  # an error; the lock cannot be granted meanwhile
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the hand-over hold was not queued on the lock in time")
+                await asyncio.sleep(0.001)
+        except BaseException:
+            await self.discard()
+            raise
+
+    async def discard(self) -> None:
+        """Give up a hold that was never entered (its tick failed)."""
+        if self._granted is not None and not self._granted.done():
+            self._granted.cancel()
+            with suppress(BaseException):
+                await self._granted
+        await self._close(commit=False)
+
+    async def __aenter__(self) -> TransactionHold:
+        try:
+            if self._granted is not None:
+                await self._granted  # granted the moment the claiming tick committed
+                await self._conn.execute("SET LOCAL lock_timeout = DEFAULT")
+            self.last_proven = time.monotonic()
+            self._on_closed = self._closed
+            self._conn.add_termination_listener(self._on_closed)
+            beat = heartbeat(self, self._prove, self._lose)
+            self._heartbeat = asyncio.create_task(beat, name="hold:heartbeat")
+        except BaseException:
+            await self.discard()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Work first, lock last: the transaction (and the lock) ends after the work.
+        try:
+            await self.stop_work()
+        finally:
+            if self._heartbeat is not None:
+                self._heartbeat.cancel()
+                await asyncio.wait({self._heartbeat})
+            commit = exc_type is None and not self.lost.is_set()
+            await self._close(commit=commit)
+
+    def adopt(self, task: asyncio.Task[Any]) -> None:
+        # The loop's lease stops its holds' work too, at the same time as the holds, so
+        # that one stop_grace covers both.
+        super().adopt(task)
+        self.parent.adopt(task)
+
+    def _lose(self, reason: str, gone: bool) -> None:
+        self.lose(reason, gone=gone)
+
+    def _closed(self, _conn: Any) -> None:
+        self.lose("hold connection closed", gone=True)
+
+    def lose(self, reason: str, *, gone: bool) -> bool:
+        first = super().lose(reason, gone=gone)
+        if first:
+            self.guard.log.warning("hold.lost", reason=reason, lock_may_be_free=gone)
+        return first
+
+    async def _prove(self) -> bool:
+        """Through the pool, like the session heartbeat: the lock manager still shows our
+        backend holding the key, even while a long statement keeps the hold's connection
+        busy. Then, if it is free, a ping on the hold's own connection, which also keeps
+        the held transaction from ever sitting idle past the server's timeout."""
+        pool = self.guard.store.pool
+        if not await pool.fetchval(Q["lock_held_by"], self.guard.key, self._backend):
+            return False
+        if not self.conn_lock.locked():
+            async with self.conn_lock:
+                await self._conn.fetchval("SELECT 1")
+        return True
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[PgTx]:
+        async with self.conn_lock:
+            if self.lost.is_set():
+                raise LeadershipLost(self.reason or "lost")
+            async with self._conn.transaction():  # a savepoint in the held transaction
+                yield PgTx(self._conn, self.fencing_token)
+
+    async def _close(self, commit: bool) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if self._on_closed is not None:
+            conn.remove_termination_listener(self._on_closed)
+        try:
+            if self._transaction is not None and not conn.is_closed():
+                if commit:
+                    await self._transaction.commit()
+                else:
+                    await self._transaction.rollback()
+        except Exception as exc:
+            self.guard.log.warning("hold.end_failed", commit=commit, error=describe(exc))
+            conn.terminate()  # the server rolls back; the pool replaces the connection
+        finally:
+            await self.guard.store.pool.release(conn)

@@ -20,9 +20,12 @@ from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
 from ..aio import wait_any
+from ..config import Settings
 from ..db.sqlfiles import queries
 from ..db.sqlite import SqliteStore, SqliteTx
+from ..db.sqlite_file import real_path
 from ..errors import describe
+from ..logs import Logger
 from .base import GuardBase, LeaseState, Stopping
 
 Q = queries("sqlite")
@@ -30,18 +33,29 @@ POLL_INTERVAL = 0.05  # local file lock: cheap to try, and takeover should feel 
 
 
 def lock_path(database: Path, loop: str) -> Path:
-    return database.with_name(f"{database.name}.{loop}.lock")
+    """``<real db file>.<loop>.lock``, next to the real file: the lock belongs to the
+    database file, not to the spelling of its path, so processes reaching it through a
+    symlink (to the file or to a directory on the way) contend for one lock. Hard links
+    cannot be resolved to one name; ``SqliteStore.open`` refuses them."""
+    real = real_path(database)
+    return real.with_name(f"{real.name}.{loop}.lock")
 
 
 class FlockLease(LeaseState):
-    def __init__(self, store: SqliteStore) -> None:
-        super().__init__()
+    def __init__(
+        self, store: SqliteStore, fencing_token: int, settings: Settings, log: Logger
+    ) -> None:
+        super().__init__(fencing_token, settings, log)
         self.store = store
+
+    def fresh(self) -> bool:
+        # Nobody evicts a flock holder: however long we were frozen, the lock stayed ours.
+        return not self.lost.is_set()
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[SqliteTx]:
-        async with self.store.transaction() as tx:
-            yield tx
+        async with self.store.write_transaction() as conn:
+            yield SqliteTx(conn, self.fencing_token)
 
 
 class FlockGuard(GuardBase[SqliteStore]):
@@ -60,24 +74,26 @@ class FlockGuard(GuardBase[SqliteStore]):
         try:
             await self._acquire(fd)
             async with self.store.write_transaction() as conn:
+                instance = self.settings.instance_id
+                async with conn.execute(Q["fencing_next"], (self.loop, instance)) as cursor:
+                    row = await cursor.fetchone()
+                assert row is not None  # an upsert with RETURNING returns its row
+                token = row[0]
                 await conn.execute(
                     Q["leader_claim"],
-                    (
-                        self.loop,
-                        self.key,
-                        self.settings.instance_id,
-                        socket.gethostname(),
-                        os.getpid(),
-                    ),
+                    (self.loop, self.key, instance, socket.gethostname(), os.getpid(), token),
                 )
-            lease = FlockLease(self.store)
+            lease = FlockLease(self.store, token, self.settings, self.log)
             self.metrics.leader.labels(self.loop).set(1)
             self.metrics.leadership_changes.labels(self.loop, "acquired").inc()
-            self.log.info("leader.acquired", lock_file=str(self.path))
+            self.log.info("leader.acquired", lock_file=str(self.path), fencing_token=token)
             heartbeat = asyncio.create_task(self._heartbeat(), name=f"heartbeat:{self.loop}")
             try:
                 yield lease
             finally:
+                # Work first, lock last: the flock is released only once nothing of this
+                # leadership runs any more.
+                await lease.stop_work()
                 heartbeat.cancel()
                 await asyncio.wait({heartbeat})
                 self.metrics.leader.labels(self.loop).set(0)

@@ -25,10 +25,6 @@ from ..logs import Logger
 from ..metrics import Metrics
 
 
-class FatalLoopError(Exception):
-    """The loop cannot go on safely in this process; the daemon exits (code 70)."""
-
-
 @dataclass(frozen=True, slots=True)
 class Tick:
     loop: str
@@ -97,8 +93,6 @@ class LoopRunner:
                 self.log.warning("leader.stepped_down", reason=lease.reason)
             except Stopping:
                 break
-            except FatalLoopError:
-                raise
             except LeadershipLost as lost:
                 self.log.warning("leader.stepped_down", reason=lost.reason)
             except Exception as exc:  # the database is unreachable, restarting, …

@@ -1,45 +1,48 @@
-"""The plugin loop: run each task's due slot once, cluster-wide.
+"""The plugin loop: run each task's due slot once, cluster-wide, by one replica at a time.
 
 Per tick, in one fenced transaction: read the tasks' state (due-ness comes from
 ``next_run_at`` in the database, judged by the database's clock), and for each due task
 advance ``next_run_at`` by compare-and-set and claim the slot by inserting
 ``(name, slot)`` into ``scheduler_plugin_runs``, whose unique constraint is the guarantee:
 even two overlapping leaders cannot run one slot twice. The runs start after that
-transaction commits, as owned tasks, up to ``plugin.concurrency`` at once; each records
-its result in a transaction of its own.
+transaction commits, up to ``plugin.concurrency`` at once, as work of the leadership:
+inside a *hold* on the lock (``lease.hold_after``), which in session mode and on SQLite is
+the lease itself and in transaction mode a transaction that takes the lock over from the
+tick and keeps it until the runs have ended. So no run ever executes without this replica
+holding the loop's lock, and losing it stops every run — async targets are cancelled,
+sync targets run in worker processes and are killed — before the lock can go to anyone.
 
-Runs of a leader that lost its lock can never record a result; the next sticky leader
-marks whatever is still ``running`` as ``abandoned`` when it takes over.
+Runs of a leader that lost its lock can never record a result. Whoever next holds the
+lock while none of its own runs is in flight (a sticky leader when it takes over; in
+transaction mode, every tick that wins the lock) marks what is still ``running`` as
+``abandoned``: nothing can be executing it, since execution needs the lock.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
-from functools import partial
+from datetime import datetime
 from typing import Any
+
+import structlog
 
 from ..config import Settings
 from ..db.base import Tx
 from ..errors import describe
-from ..leadership import Lease
+from ..leadership import Lease, PendingHold
 from ..logs import Logger
 from ..metrics import Metrics
 from ..plugins.context import TaskContext
 from ..plugins.schedule import Plan, plan
 from ..plugins.tasks import TaskSpec
-from .base import FatalLoopError, Tick
+from ..plugins.worker import WorkerFailed, WorkerJob, Workers
+from .base import Tick
 
-# Grace on top of a run's timeout before a running row from another replica is presumed
-# dead (transaction mode, where no takeover moment tells us).
-ABANDON_GRACE = 30.0
-# How long a deposed leader waits for its sync targets' threads to notice ctx.cancelled.
-THREAD_GRACE = 5.0
+ABANDONED = "abandoned: the replica running it lost the lock before it finished"
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,76 +60,63 @@ class PluginWork:
         tasks: list[TaskSpec],
         settings: Settings,
         metrics: Metrics,
+        workers: Workers | None,
         sticky: bool,
     ) -> None:
         self.tasks = {spec.name: spec for spec in tasks}
         self.settings = settings
         self.metrics = metrics
+        self.workers = workers  # runs sync targets; None when no task has one
         self.sticky = sticky  # a lease lasts until lost (session mode, SQLite)
-        self.running: dict[str, asyncio.Task[None]] = {}
-        # Threads of sync targets, which cancellation cannot stop: a task whose thread is
-        # still alive is still running, whatever became of the task that awaited it.
-        self.threads: dict[str, threading.Thread] = {}
+        # In-flight runs by task name (a claimed run counts from its claim on).
+        self.running: dict[str, asyncio.Task[Any]] = {}
+        self._batches: set[asyncio.Task[None]] = set()  # one per tick that claimed runs
         self.wake: Callable[[], None] = lambda: None  # the runner sets its own
         self._lease: Lease | None = None
 
     async def tick(self, tick: Tick) -> float | None:
         claims: list[Claim] = []
-        async with tick.lease.transaction() as tx:
-            now: datetime = (await tx.fetch("now"))[0]["now"]
-            if self._lease is not tick.lease:
-                await self._take_over(tx, now, tick.log)
-                self._lease = tick.lease
-            states = {row["name"]: row for row in await tx.fetch("task_states")}
-            for spec in self.tasks.values():
-                state = states.get(spec.name)
-                if state is None or not state["active"] or state["paused"]:
-                    continue
-                claims += await self._due_claims(tx, spec, state, now, len(claims), tick.log)
-            wake = self._next_wake(await tx.fetch("task_states"), now, len(claims))
-        for claim in claims:
-            self._start(claim, tick.lease, tick.log)
+        hold: PendingHold | None = None
+        try:
+            async with tick.lease.transaction() as tx:
+                now: datetime = (await tx.fetch("now"))[0]["now"]
+                if self._lease is not tick.lease:
+                    await self._take_over(tx, now, tick.log)
+                    self._lease = tick.lease
+                elif not self.sticky:
+                    # Transaction mode: this tick holds the lock, so no run of any replica
+                    # is executing (runs hold it too); what is `running` is dead.
+                    await self._abandon(tx, tick.log)
+                states = {row["name"]: row for row in await tx.fetch("task_states")}
+                for spec in self.tasks.values():
+                    state = states.get(spec.name)
+                    if state is None or not state["active"] or state["paused"]:
+                        continue
+                    claims += await self._due_claims(tx, spec, state, now, len(claims), tick.log)
+                wake = self._next_wake(await tx.fetch("task_states"), now, len(claims))
+                if claims:
+                    hold = await tick.lease.hold_after(tx)
+        except BaseException:
+            if hold is not None:
+                await hold.discard()  # what it would have run was rolled back
+            raise
+        if hold is not None:
+            self._start_batch(tick.lease, hold, claims, tick.log)
         return wake
 
     async def leadership_ended(self, graceful: bool) -> None:
-        """Graceful (daemon stopping): let runs finish and record their results (the
-        daemon cancels us past shutdown_timeout). Otherwise cancel them: a deposed leader
-        must stop working."""
+        """Graceful (daemon stopping, lease still valid): let the runs finish and record
+        their results (the daemon cancels us past shutdown_timeout; losing the lease
+        meanwhile cancels them at once). Either way the guard then stops whatever is left,
+        before it lets the lock go."""
         self._lease = None
-        running = list(self.running.values())
-        if not running:
-            return
-        try:
-            if graceful:
-                await asyncio.wait(running)
-        finally:
-            for task in running:
-                task.cancel()
-            await asyncio.wait(running)
-        if not graceful:
-            await self._deposed_threads_stop()
-
-    async def _deposed_threads_stop(self) -> None:
-        """A deposed leader must stop working, and a sync target can only be asked to
-        (``ctx.cancelled``). One that has not stopped within THREAD_GRACE would run on
-        beside the new leader's runs: end this process instead (the supervisor restarts
-        it), rather than compete for leadership again while it runs."""
-        deadline = time.monotonic() + THREAD_GRACE
-        for thread in list(self.threads.values()):
-            if (remaining := deadline - time.monotonic()) > 0:
-                await asyncio.to_thread(thread.join, remaining)
-        if alive := self._alive_threads():
-            raise FatalLoopError(
-                f"sync task(s) {', '.join(sorted(alive))} still running {THREAD_GRACE:g}s "
-                "after leadership was lost; exiting so they cannot run beside the new leader"
-            )
-
-    def _alive_threads(self) -> list[str]:
-        return [name for name, thread in self.threads.items() if thread.is_alive()]
+        if graceful and self._batches:
+            await asyncio.wait(list(self._batches))
 
     async def _take_over(self, tx: Tx, now: datetime, log: Logger) -> None:
         """First tick of a leadership: bring task rows in line with the configuration,
-        keeping every known task's next_run_at (a restart must not reschedule)."""
+        keeping every known task's next_run_at (a restart must not reschedule), and mark
+        the runs its predecessor left behind."""
         existing = {row["name"]: row for row in await tx.fetch("task_states")}
         for spec in self.tasks.values():
             schedule = spec.schedule.describe()
@@ -140,15 +130,15 @@ class PluginWork:
             elif not row["active"]:
                 await tx.fetch("task_activate", spec.name)
         await tx.fetch("tasks_deactivate_others", list(self.tasks))
-        if self.sticky:
-            for row in await tx.fetch(
-                "runs_abandon_all", "abandoned: its leader lost the lock before it finished"
-            ):
-                self.metrics.plugin_runs.labels(row["name"], "abandoned").inc()
-                log.warning(
-                    "task.abandoned", task=row["name"], slot=row["slot"].isoformat(),
-                    run_instance=row["instance"],  # `instance` names the logger
-                )  # fmt: skip
+        await self._abandon(tx, log)
+
+    async def _abandon(self, tx: Tx, log: Logger) -> None:
+        for row in await tx.fetch("runs_abandon_all", ABANDONED):
+            self.metrics.plugin_runs.labels(row["name"], "abandoned").inc()
+            log.warning(
+                "task.abandoned", task=row["name"], slot=row["slot"].isoformat(),
+                run_instance=row["instance"],  # `instance` names the logger
+            )  # fmt: skip
 
     async def _due_claims(
         self,
@@ -184,7 +174,7 @@ class PluginWork:
             # A task runs one slot at a time: a second slot claimed in this same tick (a
             # trigger and a due slot together) would overlap the first.
             busy = claimed_so_far + len(claims)
-            claim = await self._claim(tx, spec, slot, now, busy, log, overlaps=bool(claims))
+            claim = await self._claim(tx, spec, slot, busy, log, overlaps=bool(claims))
             if claim is not None:
                 claims.append(claim)
         return claims
@@ -194,13 +184,13 @@ class PluginWork:
         tx: Tx,
         spec: TaskSpec,
         slot: datetime,
-        now: datetime,
         busy: int,
         log: Logger,
         overlaps: bool = False,
     ) -> Claim | None:
         instance = self.settings.instance_id
-        if overlaps or await self._in_flight(tx, spec, now) or self._capacity_left(busy) <= 0:
+        # Only our own runs can be in flight: takeover abandoned everyone else's.
+        if overlaps or spec.name in self.running or self._capacity_left(busy) <= 0:
             await tx.fetch("slot_claim", spec.name, slot, instance, "skipped_overlap")
             self.metrics.plugin_runs.labels(spec.name, "skipped_overlap").inc()
             log.warning("task.skipped_overlap", task=spec.name, slot=slot.isoformat())
@@ -211,17 +201,6 @@ class PluginWork:
             return None
         await tx.fetch("task_started", spec.name, slot)
         return Claim(spec, slot, rows[0]["id"])
-
-    async def _in_flight(self, tx: Tx, spec: TaskSpec, now: datetime) -> bool:
-        if spec.name in self.running or spec.name in self._alive_threads():
-            return True
-        if self.sticky:
-            return False  # takeover abandoned every other leader's runs
-        cutoff = now - timedelta(seconds=spec.timeout + ABANDON_GRACE)
-        await tx.fetch(
-            "runs_abandon_expired", spec.name, cutoff, "abandoned: no result within timeout"
-        )
-        return bool(await tx.fetch("run_in_flight", spec.name))
 
     def _capacity_left(self, claimed: int) -> int:
         return self.settings.plugin.concurrency - len(self.running) - claimed
@@ -239,37 +218,64 @@ class PluginWork:
             return 0.0
         if not upcoming or self._capacity_left(claimed) <= 0:
             # Every place is taken: what is due waits for a run to finish, which wakes the
-            # loop (see _start), not for a spinning tick.
+            # loop (see _finished), not for a spinning tick.
             return None
         earliest: datetime = min(upcoming)
         return max(0.0, (earliest - now).total_seconds())
 
-    def _start(self, claim: Claim, lease: Lease, log: Logger) -> None:
-        task = asyncio.create_task(self._run(claim, lease, log), name=f"task:{claim.spec.name}")
-        self.running[claim.spec.name] = task
-        task.add_done_callback(lambda _: self._finished(claim.spec.name))
+    def _start_batch(
+        self,
+        lease: Lease,
+        hold: PendingHold,
+        claims: list[Claim],
+        log: Logger,
+    ) -> None:
+        batch = lease.spawn(self._run_batch(hold, claims, log), name="plugin:batch")
+        self._batches.add(batch)
+        batch.add_done_callback(self._batches.discard)
+        for claim in claims:  # its places are taken from now on
+            self._track(claim.spec.name, batch)
 
-    def _finished(self, name: str) -> None:
-        self.running.pop(name, None)
-        self.wake()  # a place is free: something due may be waiting for it
+    async def _run_batch(self, pending: PendingHold, claims: list[Claim], log: Logger) -> None:
+        """Hold the lock for one tick's runs until every one of them has ended."""
+        try:
+            async with pending as hold:
+                runs = []
+                for claim in claims:
+                    run = hold.spawn(self._run(claim, hold, log), name=f"task:{claim.spec.name}")
+                    self._track(claim.spec.name, run)
+                    runs.append(run)
+                await asyncio.wait(runs)
+        except Exception as exc:  # lost before or while committing: the runs stay `running`
+            log.warning("plugin.hold_failed", error=describe(exc))
 
-    async def _run(self, claim: Claim, lease: Lease, log: Logger) -> None:
+    def _track(self, name: str, task: asyncio.Task[Any]) -> None:
+        self.running[name] = task
+        task.add_done_callback(lambda _: self._untrack(name, task))
+
+    def _untrack(self, name: str, task: asyncio.Task[Any] | None) -> None:
+        if self.running.get(name) is task:
+            del self.running[name]
+            self.wake()  # a place is free: something due may be waiting for it
+
+    async def _run(self, claim: Claim, hold: Lease, log: Logger) -> None:
         spec = claim.spec
         run_log = log.bind(task=spec.name, slot=claim.slot.isoformat())
-        ctx = TaskContext(spec.name, claim.slot, self.settings.instance_id, run_log, lease)
-        run_log.info("task.started", run_id=claim.run_id)
+        ctx = TaskContext(
+            name=spec.name,
+            slot=claim.slot,
+            instance=self.settings.instance_id,
+            log=run_log,
+            fencing_token=hold.fencing_token,
+            lease=hold,
+        )
+        run_log.info("task.started", run_id=claim.run_id, fencing_token=hold.fencing_token)
         started = time.monotonic()
         status, error = "succeeded", None
         deadline = asyncio.timeout(spec.timeout)
         try:
             async with deadline:
-                if spec.sql is not None:
-                    async with lease.transaction() as tx:
-                        # Lift the session's statement_timeout to the task's own, a
-                        # little past it, so our deadline fires first: timed_out.
-                        await tx.execute(spec.sql, statement_timeout=spec.timeout + 1.0)
-                else:
-                    await spec.call(ctx, on_thread=partial(self.threads.__setitem__, spec.name))
+                await self._execute(spec, ctx, hold, run_log)
         except TimeoutError as exc:
             if not deadline.expired():  # the target's own TimeoutError: a failure
                 status, error = "failed", describe(exc)
@@ -280,18 +286,48 @@ class PluginWork:
         except asyncio.CancelledError:
             ctx.cancelled.set()
             raise
+        except WorkerFailed as exc:
+            status, error = "failed", exc.error
+            run_log.error("task.failed", error=error, traceback=exc.traceback)
         except Exception as exc:
             status, error = "failed", describe(exc)
             run_log.error("task.failed", error=error, traceback=traceback.format_exc())
         duration = time.monotonic() - started
         self.metrics.plugin_runs.labels(spec.name, status).inc()
         self.metrics.plugin_run_duration.labels(spec.name).observe(duration)
-        await self._record(claim, lease, status, error, run_log, duration)
+        await self._record(claim, hold, status, error, run_log, duration)
+
+    async def _execute(self, spec: TaskSpec, ctx: TaskContext, hold: Lease, log: Logger) -> None:
+        if spec.sql is not None:
+            async with hold.transaction() as tx:
+                # Lift the session's statement_timeout to the task's own, a little past
+                # it, so our deadline fires first: timed_out.
+                await tx.execute(spec.sql, statement_timeout=spec.timeout + 1.0)
+        elif spec.is_async:
+            await spec.call(ctx)
+        else:
+            # A thread could not be stopped when the lock is lost; a process can.
+            assert self.workers is not None
+            assert spec.target is not None
+            job = WorkerJob(
+                target=spec.target,
+                pass_context=spec.wants_context,
+                name=spec.name,
+                slot=ctx.slot,
+                instance=ctx.instance,
+                fencing_token=ctx.fencing_token,
+                log_format=self.settings.log.format,
+                log_level=self.settings.log.level,
+                log_context=dict(structlog.get_context(log)),
+            )
+            await self.workers.run(
+                job, gone=hold.gone, fresh=hold.fresh, grace=self.settings.lock.stop_grace
+            )
 
     async def _record(
         self,
         claim: Claim,
-        lease: Lease,
+        hold: Lease,
         status: str,
         error: str | None,
         log: Logger,
@@ -300,14 +336,14 @@ class PluginWork:
         name = claim.spec.name
         limit = self.settings.plugin.max_consecutive_failures
         try:
-            async with lease.transaction() as tx:
+            async with hold.transaction() as tx:
                 await tx.fetch("run_finish", claim.run_id, status, error)
                 rows = await tx.fetch("task_finished", name, status, error, limit)
                 await tx.fetch("runs_trim", name, self.settings.plugin.history)
         except Exception as exc:
             # Lost leadership or database trouble: the run stays `running` until the next
-            # leader marks it abandoned. Never retried: a slot runs at most once.
-            log.warning("task.result_not_recorded", status=status, error=repr(exc))
+            # holder of the lock marks it abandoned. Never retried: a slot runs at most once.
+            log.warning("task.result_not_recorded", status=status, error=describe(exc))
             return
         if status == "succeeded":
             log.info("task.succeeded", duration=round(duration, 3))

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..config import Settings
 from ..db.base import Store, Tx
-from ..db.connect import is_transient
+from ..db.connect import is_transient_database_error
 from ..errors import describe
 from ..leadership import Lease
 from ..logs import Logger
@@ -35,6 +35,9 @@ from .base import Tick
 WAKE_CHANNEL = "scheduler_publications_due"
 LISTEN_RETRY = 30.0
 LOCKED_ROWS_RETRY = 0.5
+# A batch that a transient database error (deadlock, lock or statement timeout, …) rolled
+# back this many times in a row is run row by row, where such an error fails its row.
+TRANSIENT_BATCH_ATTEMPTS = 3
 
 
 class PublishWork:
@@ -61,6 +64,9 @@ class PublishWork:
         self._listen_retry_at = 0.0
         self._planned_wake = float("inf")  # time.time() of the next planned tick
         self._db_clock_offset = 0.0  # database clock minus ours, measured each tick
+        # Publication id -> transient rollbacks in a row of the batch that held it (only
+        # the last such batch; empty on the happy path). See _run_publishers.
+        self._transient_strikes: dict[int, int] = {}
 
     async def tick(self, tick: Tick) -> float | None:
         if self._lease is not tick.lease:
@@ -99,19 +105,37 @@ class PublishWork:
         return delay
 
     async def _run_publishers(self, tx: Tx, batch: list[Published], log: Logger) -> dict[int, str]:
-        """Run every publisher on the batch; on error, fall back to row by row so only the
-        offending rows fail. Returns {publication id: error} for the rows marked failed."""
+        """Run every publisher on the batch. Returns {publication id: error} for the rows
+        marked failed.
+
+        Whatever a publisher raises (``OSError`` and ``TimeoutError`` included) is a
+        publisher failure: the batch is run again row by row, each row in a savepoint, and
+        only the rows that fail again are marked failed. Only an error from the database
+        that says "not now" (see :func:`is_transient_database_error`) rolls the whole batch
+        back, to be retried by the next tick; once the same rows were rolled back
+        ``TRANSIENT_BATCH_ATTEMPTS`` times in a row, they are isolated: row by row, where
+        such an error fails its row too, so no row can hold the loop up for ever.
+        """
         if not self.publishers:
             return {}
-        try:
-            async with tx.savepoint():
-                for publisher in self.publishers:
-                    await publisher.publish(tx, batch)
-            return {}
-        except Exception as exc:
-            if is_transient(exc):
-                raise  # roll the whole batch back; the next tick publishes it again
-            log.warning("publish.batch_failed", size=len(batch), error=describe(exc))
+        attempts = self._transient_attempts(batch) if self._transient_strikes else 0
+        isolated = attempts >= TRANSIENT_BATCH_ATTEMPTS
+        if isolated:
+            log.warning("publish.batch_isolated", size=len(batch), attempts=attempts)
+        else:
+            try:
+                async with tx.savepoint():
+                    for publisher in self.publishers:
+                        await publisher.publish(tx, batch)
+            except Exception as exc:
+                if is_transient_database_error(exc):
+                    self._strike(batch, exc, log)
+                    raise  # roll the whole batch back; the next tick publishes it again
+                log.warning("publish.batch_failed", size=len(batch), error=describe(exc))
+            else:
+                if self._transient_strikes:
+                    self._transient_strikes.clear()
+                return {}
         failed: dict[int, str] = {}
         for row in batch:
             try:
@@ -119,13 +143,31 @@ class PublishWork:
                     for publisher in self.publishers:
                         await publisher.publish(tx, [row])
             except Exception as exc:
-                if is_transient(exc):
-                    raise  # a deadlock or timeout says nothing about this row's data
+                if not isolated and is_transient_database_error(exc):
+                    self._strike(batch, exc, log)
+                    raise  # a deadlock or lock timeout says nothing about this row's data
+                # If the connection died, this fails too and nothing of the batch commits.
                 error = describe(exc)
-                failed[row.id] = error
                 await tx.fetch("publication_fail", row.id, error)
+                failed[row.id] = error
                 log.error("publish.row_failed", publication_id=row.id, key=row.key, error=error)
+        self._transient_strikes.clear()
         return failed
+
+    def _transient_attempts(self, batch: list[Published]) -> int:
+        """How many times in a row a batch holding these rows was rolled back by a
+        transient database error."""
+        return max(self._transient_strikes.get(row.id, 0) for row in batch)
+
+    def _strike(self, batch: list[Published], exc: BaseException, log: Logger) -> None:
+        """Count a transient rollback against the batch's rows. Only the last failed batch
+        is remembered (the next tick picks the same rows first), so this stays small."""
+        strikes = self._transient_strikes
+        self._transient_strikes = {row.id: strikes.get(row.id, 0) + 1 for row in batch}
+        log.warning(
+            "publish.batch_retry", size=len(batch), error=describe(exc),
+            attempt=self._transient_attempts(batch), limit=TRANSIENT_BATCH_ATTEMPTS,
+        )  # fmt: skip
 
     def _count(self, batch: list[Published], failed: dict[int, str]) -> None:
         for row in batch:
@@ -141,10 +183,10 @@ class PublishWork:
         self._lease = lease
         settings = self.settings.publish
         if "webhook" in settings.publishers:
+            # Work of the leadership: cancelled the moment it is lost, and stopped before
+            # the lock is released, so that no POST of ours overlaps the next leader's.
             self._deliverer = WebhookDeliverer(settings.webhook, self.metrics, self.log)
-            self._delivering = asyncio.create_task(
-                self._deliverer.run(lease), name="publish:webhooks"
-            )
+            self._delivering = lease.spawn(self._deliverer.run(lease), name="publish:webhooks")
         self._listen_retry_at = 0.0
         await self._ensure_listener()
 
@@ -187,12 +229,14 @@ class PublishWork:
     async def leadership_ended(self, graceful: bool) -> None:
         self._lease = None
         if self._delivering is not None:
-            self._delivering.cancel()
-            await asyncio.wait({self._delivering})
-            if not self._delivering.cancelled() and self._delivering.exception():
-                self.log.warning("webhook.deliverer_died", error=repr(self._delivering.exception()))
+            self._delivering.cancel()  # a stop: the guard waits for it to end
+            self._delivering.add_done_callback(self._deliverer_ended)
             self._delivering = None
             self._deliverer = None
         if self._listener is not None:
             self._listener.terminate()
             self._listener = None
+
+    def _deliverer_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (error := task.exception()) is not None:
+            self.log.warning("webhook.deliverer_died", error=describe(error))

@@ -6,10 +6,13 @@ import threading
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from ..db.base import Tx
-from ..leadership import Lease
 from ..logs import Logger
+
+if TYPE_CHECKING:
+    from ..leadership import Lease
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,20 +20,39 @@ class TaskContext:
     """Passed to a task's target when it takes one argument.
 
     - ``slot``: the scheduled instant this run is for (UTC), unique per task;
+    - ``fencing_token``: the plugin loop's fencing token for the leadership running this
+      slot. It grows with every change of leader, so a system this task calls can refuse
+      a request carrying a smaller token than one it has already seen (a replaced leader
+      that has not noticed yet); see docs/leadership.md;
     - ``log``: a structlog logger bound with ``task`` and ``slot``;
     - ``transaction()``: a fenced database transaction (it can only commit while this
-      replica still leads the plugin loop);
-    - ``cancelled``: set when the run passed its timeout or the daemon is stopping. Async
-      targets are cancelled outright; a sync target (run in a thread) cannot be, and
-      should check this event in its long loops.
+      replica still leads the plugin loop); async targets only;
+    - ``cancelled``: set when the run must stop: its timeout passed, the replica lost
+      leadership, or the daemon is stopping. Async targets are cancelled outright; a sync
+      target runs in a worker process, whose ``cancelled`` is set on SIGTERM, and is
+      killed if it has not returned within ``lock.stop_grace`` of that;
+    - ``leading``: this replica still leads, as far as it knows (the fencing token is the
+      proof that does not depend on knowing in time).
     """
 
     name: str
     slot: datetime
     instance: str
     log: Logger
-    lease: Lease
+    fencing_token: int
+    lease: Lease | None = None  # None in a worker process
     cancelled: threading.Event = field(default_factory=threading.Event)
 
+    @property
+    def leading(self) -> bool:
+        if self.cancelled.is_set():
+            return False
+        return self.lease is None or not self.lease.lost.is_set()
+
     def transaction(self) -> AbstractAsyncContextManager[Tx]:
+        if self.lease is None:
+            raise RuntimeError(
+                "ctx.transaction() is for async targets: a sync target runs in a worker "
+                "process, outside the daemon's fenced connection"
+            )
         return self.lease.transaction()

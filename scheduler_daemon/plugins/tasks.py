@@ -17,10 +17,8 @@ Everything is validated before the daemon starts: a bad declaration is a config 
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import inspect
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -31,6 +29,7 @@ from pydantic import ValidationError
 from ..config import PluginTaskSettings, Settings
 from ..errors import ConfigError
 from .schedule import Cron, Every, Misfire, Schedule, check_timezone
+from .worker import check_picklable
 
 if TYPE_CHECKING:
     from .context import TaskContext
@@ -63,60 +62,12 @@ class TaskSpec:
         except (TypeError, ValueError):
             return True
 
-    async def call(
-        self, ctx: TaskContext, on_thread: Callable[[threading.Thread], None] | None = None
-    ) -> None:
-        """Run a Python target: coroutine functions on the loop, others in a thread (handed
-        to ``on_thread``: the caller must know it may outlive the awaiting task)."""
+    async def call(self, ctx: TaskContext) -> None:
+        """Run an async target on the event loop (sync targets run in a worker process:
+        see loops/plugin.py)."""
         assert self.target is not None
-        args = (ctx,) if self.wants_context else ()
-        if self.is_async:
-            await self.target(*args)
-            return
-        result = await run_in_daemon_thread(
-            self.target, args, name=f"task:{self.name}", on_thread=on_thread
-        )
-        if inspect.isawaitable(result):  # a plain function that returned a coroutine
-            await result
-
-
-async def run_in_daemon_thread(
-    function: Callable[..., Any],
-    args: tuple[Any, ...],
-    name: str,
-    on_thread: Callable[[threading.Thread], None] | None = None,
-) -> Any:
-    """Like ``asyncio.to_thread``, but on a daemon thread of its own.
-
-    A sync target cannot be cancelled. In the default executor one that never returns
-    would keep the process alive after shutdown (``asyncio.run`` joins the executor's
-    threads); a daemon thread is simply abandoned when the daemon exits, and a timed-out
-    run does not hold an executor slot for ever.
-    """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(error: BaseException | None, result: Any) -> None:
-        if future.done():  # the awaiting task was cancelled meanwhile
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def run() -> None:
-        try:
-            result = function(*args)
-        except BaseException as exc:
-            loop.call_soon_threadsafe(settle, exc, None)
-        else:
-            loop.call_soon_threadsafe(settle, None, result)
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    if on_thread is not None:
-        on_thread(thread)
-    return await future
+        assert self.is_async
+        await self.target(*((ctx,) if self.wants_context else ()))
 
 
 def import_target(path: str) -> Target:
@@ -152,6 +103,12 @@ def build_spec(declaration: PluginTaskSettings, source: str, target: Target | No
         schedule = Cron(declaration.cron, declaration.timezone)
     if target is None and declaration.target is not None:
         target = import_target(declaration.target)
+    if (
+        target is not None
+        and not inspect.iscoroutinefunction(target)
+        and (problem := check_picklable(target)) is not None
+    ):
+        raise ValueError(problem)  # sync targets run in a worker process
     return TaskSpec(
         name=declaration.name,
         schedule=schedule,

@@ -1,0 +1,155 @@
+"""Reading back what work did outside the database, and proving no two replicas did it at
+once (``scheduler_sample_plugin.effects`` writes the records).
+
+A run's interval is [its first record, its last record]: a run killed outright leaves no
+end, and its last beat (every 10 ms) says when it stopped. :func:`check_effects` fails,
+with an explanation a person can read, on
+
+- two *different* instances working for one loop at overlapping times (one leader running
+  two runs at once is its own concurrency, not an overlap);
+- a fencing token going backwards: a run that started after a run with a larger token
+  (what an external system using the token would refuse);
+
+and refuses data that proves nothing (too few runs, too few instances). ``allow`` names
+the runs a test expects to break the rules — the documented frozen-leader window — so that
+they are reported, measured and bounded by the test rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+EFFECTS_TARGETS = {
+    "async": "scheduler_sample_plugin.effects:probe_async",
+    "sync": "scheduler_sample_plugin.effects:probe_sync",
+    "sync_stubborn": "scheduler_sample_plugin.effects:probe_sync_stubborn",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EffectRun:
+    run: str
+    loop: str
+    kind: str
+    instance: str
+    token: int | None
+    pid: int
+    start: float
+    end: float
+    outcome: str  # "end", "cancelled", or "killed" (no final record)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        what = self.extra.get("task") or self.kind
+        return (
+            f"{self.instance} ({what}, token {self.token}, pid {self.pid}) "
+            f"[{_stamp(self.start)}, {_stamp(self.end)}] {self.outcome}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EffectsSummary:
+    runs: dict[str, dict[str, int]]  # loop -> instance -> runs
+    allowed: list[EffectRun]  # runs that broke a rule and were allowed to
+
+
+def effects_env(log: Path, seconds: float = 0.3) -> dict[str, str]:
+    return {"EFFECTS_LOG": str(log), "EFFECTS_SECONDS": f"{seconds:g}"}
+
+
+def read_effects(log: Path) -> list[EffectRun]:
+    try:
+        lines = log.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    records: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for line in lines:
+        entry = json.loads(line)
+        records[entry["run"]].append(entry)
+    runs = []
+    for run, entries in records.items():
+        entries.sort(key=lambda e: e["t"])
+        first, last = entries[0], entries[-1]
+        outcome = last["event"] if last["event"] in ("end", "cancelled") else "killed"
+        known = {"run", "loop", "kind", "instance", "token", "pid", "event", "t"}
+        runs.append(
+            EffectRun(
+                run=run,
+                loop=first["loop"],
+                kind=first["kind"],
+                instance=first["instance"],
+                token=first["token"],
+                pid=first["pid"],
+                start=first["t"],
+                end=last["t"],
+                outcome=outcome,
+                extra={k: v for k, v in first.items() if k not in known},
+            )
+        )
+    runs.sort(key=lambda r: (r.start, r.end))
+    return runs
+
+
+def check_effects(
+    runs: Iterable[EffectRun],
+    *,
+    min_runs: int,
+    min_instances: int = 1,
+    allow: Callable[[EffectRun], bool] = lambda run: False,
+) -> EffectsSummary:
+    by_loop: dict[str, list[EffectRun]] = defaultdict(list)
+    for run in runs:
+        by_loop[run.loop].append(run)
+    assert by_loop, "no effect records at all: the probe never ran, so nothing was checked"
+    allowed: list[EffectRun] = []
+    summary: dict[str, dict[str, int]] = {}
+    for loop, items in by_loop.items():
+        items.sort(key=lambda r: (r.start, r.end))
+        problems: list[tuple[str, tuple[EffectRun, ...]]] = []
+        # Overlap: each run against every earlier run still going when it started.
+        for index, current in enumerate(items):
+            for earlier in items[:index]:
+                if earlier.end > current.start and earlier.instance != current.instance:
+                    problems.append((
+                        f"{earlier.describe()} and {current.describe()}: "
+                        f"{earlier.end - current.start:.3f}s of work by two instances at once",
+                        (earlier, current),
+                    ))  # fmt: skip
+        # Tokens: in start order, never smaller than one already seen.
+        highest: EffectRun | None = None
+        for current in items:
+            if current.token is None:
+                continue
+            if highest is not None and current.token < (highest.token or 0):
+                problems.append((
+                    f"{current.describe()} started after {highest.describe()}: "
+                    "its fencing token went backwards",
+                    (current,),
+                ))  # fmt: skip
+            if highest is None or current.token > (highest.token or 0):
+                highest = current
+        unexcused = [message for message, who in problems if not any(map(allow, who))]
+        assert not unexcused, f"loop {loop}:\n  " + "\n  ".join(unexcused)
+        for _, who in problems:
+            allowed += [run for run in who if allow(run) and run not in allowed]
+        counts: dict[str, int] = defaultdict(int)
+        for run in items:
+            counts[run.instance] += 1
+        assert len(items) >= min_runs, (
+            f"loop {loop}: only {len(items)} runs (< {min_runs}): too little to prove exclusion"
+        )
+        assert len(counts) >= min_instances, (
+            f"loop {loop}: runs by {dict(counts)}, expected >= {min_instances} instances"
+        )
+        summary[loop] = dict(counts)
+    return EffectsSummary(summary, allowed)
+
+
+def _stamp(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch).strftime("%H:%M:%S.%f")
