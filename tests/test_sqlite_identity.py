@@ -1,0 +1,357 @@
+"""SQLite leadership keys on the database file's identity, not on how its path is spelled.
+
+The flock lives on a sidecar ``<real db file>.<loop>.lock`` next to the real file, so
+processes reaching one database through a symlink to the file or to a directory on the
+way elect one leader between them. Setups that cannot be made safe are refused at startup
+(exit 78): a hard-linked database file (SQLite's -wal and -shm are per path) and a
+network filesystem (flock is not reliable across hosts). No network filesystem is
+available here, so that refusal is tested on crafted ``/proc/self/mountinfo`` text.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from rig.databases import copy_sqlite
+from rig.processes import DaemonProcess, Daemons, run_cli
+from rig.ticks import (
+    PLUGIN_ONLY,
+    assert_no_overlap,
+    event_time,
+    first_leader,
+    python_probe_env,
+    python_ticks,
+    stop_all,
+    wait_for_event,
+)
+
+from scheduler_daemon.db.sqlite_file import (
+    Mount,
+    check_database_file,
+    is_network_filesystem,
+    mount_containing,
+    parse_mountinfo,
+    real_path,
+    system_mounts,
+)
+from scheduler_daemon.errors import ConfigError
+from scheduler_daemon.leadership.sqlite_flock import lock_path
+
+
+def _url(path: Path) -> str:
+    """``sqlite:////abs/path`` for `path` as spelled (rig's ``sqlite_url_for`` resolves)."""
+    assert path.is_absolute()
+    return f"sqlite:///{path}"
+
+
+def _lock_files(root: Path) -> set[Path]:
+    """Every ``*.lock`` file under `root`, found without following symlinks."""
+    found: set[Path] = set()
+    for directory, _, files in os.walk(root):
+        found.update(Path(directory, name) for name in files if name.endswith(".lock"))
+    return found
+
+
+def _held(path: Path) -> bool:
+    """Whether some process holds an flock on `path` (we try to take it, and let go)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _plugin_events(process: DaemonProcess, event: str) -> list[dict[str, object]]:
+    return [
+        entry
+        for entry in process.log_events()
+        if entry.get("event") == event and entry.get("loop") == "plugin"
+    ]
+
+
+# -- two paths to one file: one leader ------------------------------------------------------
+
+
+@pytest.mark.parametrize("link", ["file", "directory"])
+def test_two_paths_to_one_sqlite_file_elect_one_leader(
+    link: str, sqlite_template: Path, daemons: Daemons, tmp_path: Path
+) -> None:
+    """One process opens the database by its real path, the other through a symlink (to
+    the file, or to its directory): exactly one leads, both use the sidecar next to the
+    real file, and after a SIGTERM the other takes over from it."""
+    data = tmp_path / "data"
+    data.mkdir()
+    database = data / "scheduler.db"
+    copy_sqlite(sqlite_template, database)
+    aliases = tmp_path / "aliases"
+    aliases.mkdir()
+    if link == "file":
+        alias = aliases / "alias.db"
+        alias.symlink_to(database)
+    else:
+        (aliases / "data").symlink_to(data, target_is_directory=True)
+        alias = aliases / "data" / "scheduler.db"
+    expected_lock = real_path(data) / "scheduler.db.plugin.lock"
+
+    probe_log = tmp_path / "probe.jsonl"
+    # Runs of 0.3 s back to back: two leaders could not help overlapping.
+    env = {
+        **python_probe_env(probe_log, every="0.1s", sleep=0.3),
+        "SCHEDULER_LOCK__HEARTBEAT_INTERVAL": "0.5",
+    }
+    replicas = [
+        daemons.start(
+            {**env, "SCHEDULER_DATABASE_URL": _url(path), "SCHEDULER_INSTANCE_ID": name},
+            PLUGIN_ONLY,
+            name=name,
+        )
+        for name, path in (("by-real-path", database), ("by-alias", alias))
+    ]
+    leader = first_leader(replicas)
+    (standby,) = (replica for replica in replicas if replica is not leader)
+    waiting = standby.wait_for_log("leader.waiting", loop="plugin")
+    time.sleep(2.5)  # both running side by side: the standby must stay a standby
+
+    assert _held(expected_lock)
+    assert _lock_files(tmp_path) == {expected_lock}  # none next to the alias
+    acquired = [
+        entry for replica in replicas for entry in _plugin_events(replica, "leader.acquired")
+    ]
+    assert [entry["lock_file"] for entry in acquired] == [str(expected_lock)], acquired
+    assert waiting["lock_file"] == str(expected_lock)
+
+    handed_over_at = time.time()
+    leader.signal(signal.SIGTERM)
+    assert leader.wait(30) == 0, leader.output()[-3000:]
+    taken = wait_for_event(standby, "leader.acquired", after=handed_over_at, loop="plugin")
+    assert taken["lock_file"] == str(expected_lock)
+    takeover = (event_time(taken) - handed_over_at) * 1000
+    time.sleep(1.5)
+    stop_all([standby])
+
+    summary = assert_no_overlap(python_ticks(probe_log), min_ticks=8, min_instances=2)
+    print(
+        f"\nsymlinked {link}: ticks per instance {summary['plugin']}, "
+        f"first leader {leader.name}, takeover after SIGTERM {takeover:.0f} ms"
+    )
+    assert set(summary["plugin"]) == {leader.name, standby.name}
+    assert _lock_files(tmp_path) == {expected_lock}
+
+
+def test_lock_path_names_the_sidecar_of_the_real_file(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    database = data / "scheduler.db"
+    database.touch()
+    (tmp_path / "alias.db").symlink_to(database)
+    (tmp_path / "dir").symlink_to(data, target_is_directory=True)
+    (tmp_path / "chain.db").symlink_to(tmp_path / "alias.db")
+    expected = real_path(data) / "scheduler.db.plugin.lock"
+    for spelling in (
+        database,
+        tmp_path / "alias.db",
+        tmp_path / "chain.db",
+        tmp_path / "dir" / "scheduler.db",
+        tmp_path / "dir" / ".." / "data" / "scheduler.db",
+    ):
+        assert lock_path(spelling, "plugin") == expected, spelling
+    assert lock_path(database, "publish") == expected.with_name("scheduler.db.publish.lock")
+    # Not created yet: resolved through its (symlinked) directory.
+    assert (
+        lock_path(tmp_path / "dir" / "new.db", "plugin") == real_path(data) / "new.db.plugin.lock"
+    )
+
+
+# -- refused: hard links ---------------------------------------------------------------------
+
+
+def test_a_hard_linked_database_is_refused_by_run_and_migrate(
+    sqlite_template: Path, tmp_path: Path
+) -> None:
+    database = tmp_path / "scheduler.db"
+    copy_sqlite(sqlite_template, database)
+    other = tmp_path / "other.db"
+    os.link(database, other)
+    for args, path in ((PLUGIN_ONLY, other), (("migrate",), other), (PLUGIN_ONLY, database)):
+        result = run_cli(args, {"SCHEDULER_DATABASE_URL": _url(path)}, timeout=30, cwd=tmp_path)
+        assert result.returncode == 78, (args, result.stdout, result.stderr[-3000:])
+        lines = result.stderr.strip().splitlines()
+        message = lines[-1]
+        assert message.startswith("scheduler-daemon: database_url: "), lines
+        assert f"{path} has 2 hard links" in message
+        assert "Remove the extra links" in message
+        assert "leader.acquired" not in result.stderr  # refused before leading
+    assert _lock_files(tmp_path) == set()
+
+
+def test_check_database_file_accepts_a_plain_new_or_symlinked_file(tmp_path: Path) -> None:
+    database = tmp_path / "scheduler.db"
+    assert check_database_file(database) == real_path(database)  # created on open
+    database.touch()
+    (tmp_path / "alias.db").symlink_to(database)
+    assert check_database_file(tmp_path / "alias.db") == real_path(database)
+    os.link(database, tmp_path / "hard.db")
+    with pytest.raises(
+        ConfigError, match=r"^database_url: .*alias\.db \(really .*scheduler\.db\) has 2 hard links"
+    ):
+        check_database_file(tmp_path / "alias.db")
+
+
+# -- refused: network filesystems (crafted mountinfo) -----------------------------------------
+
+MOUNTINFO = """\
+22 27 0:21 / /proc rw,relatime - proc proc rw
+27 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw,discard
+40 27 0:40 / /srv rw,relatime shared:2 master:7 - xfs /dev/vdb1 rw
+41 40 0:41 /exports/app /srv/app rw,relatime - nfs4 fileserver:/exports/app rw,vers=4.2
+42 40 0:42 / /srv/app-local rw - btrfs /dev/vdc rw,subvol=/
+43 27 0:43 / /mnt/my\\040share rw - cifs //nas/share rw,vers=3.1.1
+44 27 0:44 / /home/u/remote rw,nosuid - fuse.sshfs u@host:/home/u rw,user_id=1000
+45 27 0:45 / /mnt/vm rw - 9p hostshare rw,trans=virtio
+46 27 0:46 / /tmp rw - tmpfs tmpfs rw
+56 27 0:56 / /tmp rw - ext4 /dev/vde rw
+47 27 0:47 / /var/lib/docker/overlay2/x/merged rw - overlay overlay rw,lowerdir=/a
+48 56 0:48 / /tmp/tab\\011and\\134back rw - nfs host:/x rw
+49 27 0:49 / /mnt/old rw - fuse sshfs#u@host:/ rw
+50 27 0:50 / /mnt/crypt rw - fuse.gocryptfs /home/u/.c rw
+51 44 0:51 / /home/u/remote/local rw - ext4 /dev/vdd rw
+52 27 0:52 / /mnt/ceph rw - ceph 10.0.0.1:6789:/ rw
+53 27 0:53 / /mnt/gluster rw - fuse.glusterfs gl:/vol rw
+54 27 0:54 / /mnt/lustre rw - lustre mgs@tcp:/fs rw
+55 27 0:55 / /afs rw - afs AFS rw
+garbage line
+"""
+
+MOUNTS = parse_mountinfo(MOUNTINFO)
+
+
+def test_parse_mountinfo_fields_and_escapes() -> None:
+    assert len(MOUNTS) == 19  # the garbage line is skipped
+    assert MOUNTS[1] == Mount("/", "ext4", "/dev/vda")
+    # Optional fields (shared:2 master:7) before the separator do not shift the rest.
+    assert MOUNTS[2] == Mount("/srv", "xfs", "/dev/vdb1")
+    assert MOUNTS[3] == Mount("/srv/app", "nfs4", "fileserver:/exports/app")
+    assert MOUNTS[5].mount_point == "/mnt/my share"
+    assert MOUNTS[11].mount_point == "/tmp/tab\tand\\back"
+
+
+@pytest.mark.parametrize(
+    ("path", "mount_point", "fstype"),
+    [
+        ("/var/lib/scheduler.db", "/", "ext4"),
+        ("/srv/scheduler.db", "/srv", "xfs"),
+        ("/srv/app/scheduler.db", "/srv/app", "nfs4"),
+        ("/srv/app", "/srv/app", "nfs4"),
+        # A prefix of the string, not of the path: /srv/app-local is not under /srv/app.
+        ("/srv/app-local/scheduler.db", "/srv/app-local", "btrfs"),
+        ("/srv/application.db", "/srv", "xfs"),
+        ("/mnt/my share/scheduler.db", "/mnt/my share", "cifs"),
+        ("/mnt/my/scheduler.db", "/", "ext4"),
+        ("/home/u/remote/x/scheduler.db", "/home/u/remote", "fuse.sshfs"),
+        ("/home/u/remote/local/scheduler.db", "/home/u/remote/local", "ext4"),
+        ("/tmp/tab\tand\\back/s.db", "/tmp/tab\tand\\back", "nfs"),
+        # Two mounts on /tmp: the later one (ext4) hides the tmpfs.
+        ("/tmp/scheduler.db", "/tmp", "ext4"),
+    ],
+)
+def test_the_mount_of_a_path_is_its_longest_mount_point(
+    path: str, mount_point: str, fstype: str
+) -> None:
+    mount = mount_containing(MOUNTS, Path(path))
+    assert mount is not None
+    assert (mount.mount_point, mount.fstype) == (mount_point, fstype)
+
+
+def test_no_mounts_no_mount() -> None:
+    assert mount_containing([], Path("/x/y.db")) is None
+    assert (
+        mount_containing(parse_mountinfo("1 0 0:1 / /srv rw - ext4 /dev/a rw\n"), Path("/x"))
+        is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("fstype", "source"),
+    [
+        ("nfs", "h:/x"),
+        ("nfs4", "h:/x"),
+        ("cifs", "//nas/share"),
+        ("smb3", "//nas/share"),
+        ("9p", "hostshare"),
+        ("fuse.sshfs", "u@h:/"),
+        ("fuse", "sshfs#u@h:/"),
+        ("ceph", "10.0.0.1:/"),
+        ("fuse.ceph-fuse", "ceph-fuse"),
+        ("glusterfs", "gl:/vol"),
+        ("fuse.glusterfs", "gl:/vol"),
+        ("lustre", "mgs@tcp:/fs"),
+        ("afs", "AFS"),
+        ("fuse.rclone", "remote:"),
+        ("fuse.s3fs", "s3fs"),
+        ("NFS4", "h:/x"),
+    ],
+)
+def test_network_filesystems_are_refused(fstype: str, source: str) -> None:
+    assert is_network_filesystem(Mount("/m", fstype, source))
+
+
+@pytest.mark.parametrize(
+    ("fstype", "source"),
+    [
+        ("ext4", "/dev/vda"),
+        ("xfs", "/dev/vdb"),
+        ("tmpfs", "tmpfs"),
+        ("overlay", "overlay"),
+        ("btrfs", "/dev/vdc"),
+        ("zfs", "tank/data"),
+        ("f2fs", "/dev/vdd"),
+        ("fuse.fuse-overlayfs", "fuse-overlayfs"),  # rootless containers
+        ("fuse.gocryptfs", "/home/u/.c"),
+        ("fuse", "/dev/sda1"),
+        ("fuseblk", "/dev/sda1"),
+    ],
+)
+def test_local_filesystems_are_accepted(fstype: str, source: str) -> None:
+    assert not is_network_filesystem(Mount("/m", fstype, source))
+
+
+def test_a_database_on_a_network_filesystem_is_refused_in_one_line(tmp_path: Path) -> None:
+    database = tmp_path / "scheduler.db"
+    real_dir = str(real_path(tmp_path))
+    mounts = parse_mountinfo(
+        "27 1 254:0 / / rw - ext4 /dev/vda rw\n"
+        f"90 27 0:90 / {real_dir.replace(' ', chr(92) + '040')} rw - nfs4 files:/share rw\n"
+    )
+    with pytest.raises(ConfigError) as refused:
+        check_database_file(database, mounts=mounts)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"database_url: {database}")
+    assert f"network filesystem (nfs4 mounted at {real_dir})" in message
+    assert "local filesystem" in message
+    assert "PostgreSQL" in message
+    # Through a symlinked directory, the real location is what is judged.
+    (tmp_path / "link").mkdir()
+    (tmp_path / "link" / "d").symlink_to(tmp_path, target_is_directory=True)
+    with pytest.raises(ConfigError, match="nfs4"):
+        check_database_file(tmp_path / "link" / "d" / "scheduler.db", mounts=mounts)
+    local = parse_mountinfo("27 1 254:0 / / rw - ext4 /dev/vda rw\n")
+    assert check_database_file(database, mounts=local) == real_path(database)
+
+
+def test_this_hosts_mount_table_is_read() -> None:
+    mounts = system_mounts()
+    if not Path("/proc/self/mountinfo").exists():
+        assert mounts == []
+        return
+    root = mount_containing(mounts, Path("/"))
+    assert root is not None
+    assert root.mount_point == "/"
