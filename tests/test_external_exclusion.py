@@ -18,13 +18,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
-from rig.databases import replace_host_port
+from rig.databases import replace_host_port, run_sync
 from rig.effects import EFFECTS_TARGETS, EffectRun, check_effects, effects_env, read_effects
 from rig.processes import Daemons
 from rig.sql import fetch
 from rig.tcpproxy import TcpProxy
-from rig.ticks import FAST_TIMINGS, PLUGIN_ONLY, event_time, first_leader, stop_all, wait_for_event
+from rig.ticks import (
+    FAST_TIMINGS,
+    PLUGIN_ONLY,
+    RIG_APP,
+    event_time,
+    first_leader,
+    stop_all,
+    wait_for_event,
+)
 
 STALL_TIMEOUT = float(FAST_TIMINGS["SCHEDULER_LOCK__STALL_TIMEOUT"])
 STOP_GRACE = float(FAST_TIMINGS["SCHEDULER_LOCK__STOP_GRACE"])
@@ -93,8 +102,20 @@ def lock_backend(url: str, instance: str, loop: str = "plugin") -> int:
     return pid
 
 
-def terminate(url: str, pid: int) -> None:
-    assert fetch(url, "SELECT pg_terminate_backend($1) AS ok", pid) == [{"ok": True}]
+def terminate(url: str, pid: int) -> float:
+    """pg_terminate_backend(pid) on a connection opened beforehand; returns the wall-clock
+    time just before the call, so that what is measured from it excludes connecting."""
+
+    async def go() -> float:
+        conn = await asyncpg.connect(url, server_settings=RIG_APP)
+        try:
+            before = time.time()
+            assert await conn.fetchval("SELECT pg_terminate_backend($1)", pid)
+            return before
+        finally:
+            await conn.close()
+
+    return run_sync(go())
 
 
 def runs_of(log: Path, instance: str) -> list[EffectRun]:
@@ -152,8 +173,7 @@ def test_a_stopping_leader_that_loses_its_lock_stops_its_runs_at_once(
     first.signal(signal.SIGTERM)
     first.wait_for_log("daemon.stopping")
     time.sleep(0.3)  # inside the graceful wait
-    cut_at = time.time()
-    terminate(pg_url, lock_backend(pg_url, "s1"))
+    cut_at = terminate(pg_url, lock_backend(pg_url, "s1"))
     acquired = wait_for_event(second, "leader.acquired", after=cut_at, loop="plugin")
     assert first.wait(20) == 0
     wait_until(lambda: len(runs_of(log, "s2")) >= 2, 20, "two runs by the new leader")
@@ -177,8 +197,7 @@ def test_a_sync_target_that_ignores_cancellation_is_killed_with_the_lock(
     second = daemons.start(replica_env(pg_url, "k2", log, tasks, 3.0), PLUGIN_ONLY, "k2")
     second.wait_for_log("leader.waiting", loop="plugin")
     mid_run(log, "k1", {"sync_stubborn"})
-    cut_at = time.time()
-    terminate(pg_url, lock_backend(pg_url, "k1"))
+    cut_at = terminate(pg_url, lock_backend(pg_url, "k1"))
     wait_for_event(second, "leader.acquired", after=cut_at, loop="plugin")
     wait_until(lambda: runs_of(log, "k2"), 20, "a run by the new leader")
     time.sleep(0.5)
@@ -331,8 +350,7 @@ def test_a_deposed_leader_notices_its_closed_lock_connection_at_once(
     second = daemons.start(replica_env(pg_url, "d2", log, tasks, 0.1), PLUGIN_ONLY, "d2")
     second.wait_for_log("leader.waiting", loop="plugin")
     time.sleep(1.0)
-    cut_at = time.time()
-    terminate(pg_url, lock_backend(pg_url, "d1"))
+    cut_at = terminate(pg_url, lock_backend(pg_url, "d1"))
     lost = wait_for_event(first, "leader.lost", after=cut_at, loop="plugin")
     acquired = wait_for_event(second, "leader.acquired", after=cut_at, loop="plugin")
     time.sleep(1.0)

@@ -616,7 +616,7 @@ async def test_tasks_cli_list_pause_trigger_resume(database_url: str, db: Db) ->
         )
 
 
-async def test_trigger_waits_for_a_free_place(database_url: str, db: Db, calls: list[Any]) -> None:
+async def test_trigger_waits_for_a_free_place(database_url: str, db: Db) -> None:
     # One place: `busy` (1.5 s) takes it at once; a trigger of `other` meanwhile waits
     # for the place instead of being dropped, and the loop does not spin while it waits.
     tasks = [
@@ -626,7 +626,7 @@ async def test_trigger_waits_for_a_free_place(database_url: str, db: Db, calls: 
     async with running(database_url, tasks, plugin={"concurrency": 1}) as daemon:
 
         async def busy_started() -> bool:
-            return any(c.kind == "slow" for c in calls)
+            return any(c.kind == "slow" for c in plugin_targets.calls())
 
         await until(busy_started, "busy to start")
         ticks_before = ticks(daemon)
@@ -641,9 +641,7 @@ async def test_trigger_waits_for_a_free_place(database_url: str, db: Db, calls: 
     assert other["started_at"] >= busy["finished_at"]
 
 
-async def test_trigger_and_due_slot_in_one_tick_run_once(
-    database_url: str, db: Db, calls: list[Any]
-) -> None:
+async def test_trigger_and_due_slot_in_one_tick_run_once(database_url: str, db: Db) -> None:
     # The state a leader finds after downtime: the slot is due and a trigger is pending.
     # One of them runs; the other overlaps it and is skipped, never run alongside.
     due = datetime.now(UTC) - timedelta(seconds=30)
@@ -658,7 +656,7 @@ async def test_trigger_and_due_slot_in_one_tick_run_once(
         await at_least(db, "slow", "succeeded", 1)
         await asyncio.sleep(0.3)
     assert await db.statuses("slow") == Counter(succeeded=1, skipped_overlap=1)
-    assert sum(c.kind == "slow" for c in calls) == 1
+    assert sum(c.kind == "slow" for c in plugin_targets.calls()) == 1
     state = await db.task("slow")
     assert state["trigger_requested_at"] is None
     assert state["next_run_at"] == due + timedelta(hours=1)

@@ -60,6 +60,16 @@ ON CONFLICT (loop) DO UPDATE SET
     instance = EXCLUDED.instance
 RETURNING token
 
+-- name: leader_predecessor
+-- Read by a new leader before it claims the row: who led last and did not hand over (a
+-- graceful release deletes the row).
+SELECT instance, hostname, pid FROM scheduler_leaders WHERE loop = $1 AND lock_key = $2
+
+-- name: instance_sessions
+-- Sessions of a daemon instance (its application_name prefix), other than ours.
+SELECT count(*) AS n FROM pg_stat_activity
+WHERE left(application_name, length($1)) = $1 AND pid <> pg_backend_pid()
+
 -- name: leader_claim
 -- Run on the lock connection right after the lock is granted.
 INSERT INTO scheduler_leaders

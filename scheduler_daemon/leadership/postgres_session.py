@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from datetime import datetime
@@ -36,7 +37,7 @@ from ..db.postgres import PgTx, PostgresStore
 from ..db.sqlfiles import queries
 from ..errors import describe
 from ..logs import Logger
-from .base import GuardBase, LeadershipLost, LeaseState, Stopping, heartbeat
+from .base import KILL_WAIT, GuardBase, LeadershipLost, LeaseState, Stopping, heartbeat
 
 Q = queries("postgres")
 
@@ -120,6 +121,7 @@ class SessionGuard(GuardBase[PostgresStore]):
                 await conn.execute("SET client_connection_check_interval = 1000")
             await self._wait_for_lock(conn)
             async with conn.transaction():
+                predecessor = await conn.fetchrow(Q["leader_predecessor"], self.loop, self.key)
                 token = await conn.fetchval(Q["fencing_next"], self.loop, self.settings.instance_id)
                 row = await conn.fetchrow(
                     Q["leader_claim"],
@@ -130,6 +132,7 @@ class SessionGuard(GuardBase[PostgresStore]):
                     os.getpid(),
                     token,
                 )
+            settled = await self._settle(conn, predecessor)
         except BaseException:
             conn.terminate()
             raise
@@ -141,8 +144,9 @@ class SessionGuard(GuardBase[PostgresStore]):
         self.metrics.leader.labels(self.loop).set(1)
         self.metrics.leadership_changes.labels(self.loop, "acquired").inc()
         self.log.info(
-            "leader.acquired", key=self.key, backend_pid=lease.backend_pid, fencing_token=token
-        )
+            "leader.acquired", key=self.key, backend_pid=lease.backend_pid,
+            fencing_token=token, **settled,
+        )  # fmt: skip
         beat = heartbeat(
             lease,
             lambda: self._prove(lease),
@@ -162,6 +166,34 @@ class SessionGuard(GuardBase[PostgresStore]):
             conn.remove_termination_listener(on_closed)
             self.metrics.leader.labels(self.loop).set(0)
             await self._release(lease, graceful=clean_exit and not lease.lost.is_set())
+
+    async def _settle(self, conn: asyncpg.Connection, predecessor: Any) -> dict[str, Any]:
+        """Before doing any work, make sure the previous leader has stopped its own.
+
+        A leader that did not hand over (no graceful release) either died — then its
+        sessions end with it, within milliseconds — or is alive and lost its lock to the
+        server (an operator's ``pg_terminate_backend``, say): then it learns so from its
+        socket at about the moment we were granted the lock, and stops its work within
+        ``stop_grace``. Wait for whichever comes first: none of its sessions left, or that
+        bound. A frozen predecessor is the one case this cannot cover (docs/leadership.md).
+        """
+        me = (self.settings.instance_id, os.getpid())
+        if predecessor is None or (predecessor["instance"], predecessor["pid"]) == me:
+            return {}
+        prefix = f"scheduler-daemon/{predecessor['instance']}/"[:63]
+        started = time.monotonic()
+        deadline = started + self.lock.stop_grace + KILL_WAIT
+        alive = True
+        while time.monotonic() < deadline:
+            if not await conn.fetchval(Q["instance_sessions"], prefix):
+                alive = False
+                break
+            await asyncio.sleep(0.01)
+        return {
+            "predecessor": predecessor["instance"],
+            "predecessor_alive": alive,
+            "settled_in": round(time.monotonic() - started, 4),
+        }
 
     def _on_closed(self, lease: SessionLease) -> Callable[[Any], None]:
         def closed(_conn: Any) -> None:

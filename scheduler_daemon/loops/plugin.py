@@ -34,6 +34,7 @@ from ..config import Settings
 from ..db.base import Tx
 from ..errors import describe
 from ..leadership import Lease, PendingHold
+from ..leadership.base import KILL_WAIT
 from ..logs import Logger
 from ..metrics import Metrics
 from ..plugins.context import TaskContext
@@ -73,6 +74,8 @@ class PluginWork:
         self._batches: set[asyncio.Task[None]] = set()  # one per tick that claimed runs
         self.wake: Callable[[], None] = lambda: None  # the runner sets its own
         self._lease: Lease | None = None
+        self._settle_for = settings.lock.stop_grace + KILL_WAIT
+        self._settle_until = 0.0  # transaction mode: no runs before (see tick)
 
     async def tick(self, tick: Tick) -> float | None:
         claims: list[Claim] = []
@@ -83,10 +86,14 @@ class PluginWork:
                 if self._lease is not tick.lease:
                     await self._take_over(tx, now, tick.log)
                     self._lease = tick.lease
-                elif not self.sticky:
+                elif not self.sticky and await self._abandon(tx, tick.log):
                     # Transaction mode: this tick holds the lock, so no run of any replica
-                    # is executing (runs hold it too); what is `running` is dead.
-                    await self._abandon(tx, tick.log)
+                    # is executing (runs hold it too); what is `running` is dead. But its
+                    # hold may have ended under a live replica, which learns so from its
+                    # socket only now: give it stop_grace to stop before we start runs.
+                    self._settle_until = time.monotonic() + self._settle_for
+                if time.monotonic() < self._settle_until:
+                    return min(self._settle_for, self.settings.plugin.interval)
                 states = {row["name"]: row for row in await tx.fetch("task_states")}
                 for spec in self.tasks.values():
                     state = states.get(spec.name)
@@ -132,13 +139,15 @@ class PluginWork:
         await tx.fetch("tasks_deactivate_others", list(self.tasks))
         await self._abandon(tx, log)
 
-    async def _abandon(self, tx: Tx, log: Logger) -> None:
-        for row in await tx.fetch("runs_abandon_all", ABANDONED):
+    async def _abandon(self, tx: Tx, log: Logger) -> int:
+        rows = await tx.fetch("runs_abandon_all", ABANDONED)
+        for row in rows:
             self.metrics.plugin_runs.labels(row["name"], "abandoned").inc()
             log.warning(
                 "task.abandoned", task=row["name"], slot=row["slot"].isoformat(),
                 run_instance=row["instance"],  # `instance` names the logger
             )  # fmt: skip
+        return len(rows)
 
     async def _due_claims(
         self,

@@ -54,8 +54,9 @@ async def greet(ctx: TaskContext) -> None:
 
 
 def tidy(ctx: TaskContext) -> None:
-    """A plain function runs in a worker thread, so it may block; it cannot be cancelled
-    from outside, so long loops check ``ctx.cancelled`` (set on timeout and shutdown)."""
+    """A plain function runs in a worker process of its own, so it may block. It is
+    stopped with SIGTERM, which sets ``ctx.cancelled``, then SIGKILL: long loops check
+    ``ctx.cancelled`` (set on timeout, loss of leadership and shutdown) to stop cleanly."""
     for _ in range(10):
         if ctx.cancelled.is_set():
             return
