@@ -454,6 +454,17 @@ class Settings(BaseSettings):
         # env first makes the environment win over the file.
         return (env_settings, init_settings)
 
+    @model_validator(mode="after")
+    def _pool_fits_transaction_mode(self) -> Settings:
+        # Transaction mode works on pooled connections only: at once a tick, the hold it
+        # hands the lock to, that hold's heartbeat through the pool, and the other loop.
+        if self.lock.mode == "transaction" and self.database.pool_max_size < 4:
+            raise ValueError(
+                f"database.pool_max_size: lock.mode 'transaction' needs at least 4 pooled "
+                f"connections (got {self.database.pool_max_size})"
+            )
+        return self
+
     def redacted(self) -> dict[str, Any]:
         """The effective config as plain data, safe to print or serve."""
         data = self.model_dump(mode="json")
@@ -533,6 +544,8 @@ def _describe(error: Mapping[str, Any], task_names: list[Any]) -> str:
             parts[2] = f"[{task_names[index]}]"
     location = ".".join(parts).replace(".[", "[") or "config"
     message = str(error["msg"]).removeprefix("Value error, ")
+    if not parts:  # a rule across sections: its message names the keys itself
+        return message
     if error["type"] == "extra_forbidden":
         return f"{location}: unknown key"
     value = error.get("input")

@@ -148,6 +148,12 @@ def test_lock_keys() -> None:
         ("nonsense = 1\n", {}, "nonsense"),
         ("[plugin]\n[[plugin.tasks]]\nname = 'a'\nevery = '1s'\n", {}, "plugin.tasks[a]"),
         ("[database]\npool_min_size = 9\npool_max_size = 2\n", {}, "database"),
+        # A rule across sections names its keys itself, once.
+        (
+            "[database]\npool_min_size = 1\npool_max_size = 3\n[lock]\nmode = 'transaction'\n",
+            {},
+            "database.pool_max_size",
+        ),
     ],
 )
 def test_invalid_values_name_the_key(

@@ -35,6 +35,8 @@ from rig.ticks import (
     wait_for_event,
 )
 
+from scheduler_daemon.config import DEFAULT_PLUGIN_KEY
+
 STALL_TIMEOUT = float(FAST_TIMINGS["SCHEDULER_LOCK__STALL_TIMEOUT"])
 STOP_GRACE = float(FAST_TIMINGS["SCHEDULER_LOCK__STOP_GRACE"])
 
@@ -337,6 +339,74 @@ def test_sql_that_drops_the_lock_cannot_end_the_fence(
     check_effects(read_effects(log), min_runs=5)
 
 
+@pytest.mark.parametrize(
+    ("sql", "timeout"),
+    [
+        ("SELECT pg_advisory_unlock_all(); SELECT 1/0", "20s"),  # then fails
+        ("SELECT pg_advisory_unlock_all(), pg_sleep(5)", "0.3s"),  # then is cancelled
+    ],
+    ids=["error", "cancelled"],
+)
+def test_sql_that_drops_the_lock_and_then_rolls_back_cannot_end_the_fence(
+    pg_url: str, daemons: Daemons, tmp_path: Path, sql: str, timeout: str
+) -> None:
+    """A session-level unlock is not undone by a rollback: the fenced transaction runs its
+    work in a savepoint and restores the session lock before it ends, on every path."""
+    log = tmp_path / "effects.jsonl"
+    tasks = [
+        task("async", every="0.3s"),
+        {"name": "rogue", "every": "1s", "timeout": timeout, "sql": sql},
+    ]
+    first = daemons.start(replica_env(pg_url, "v1", log, tasks, 0.2), PLUGIN_ONLY, "v1")
+    first_leader([first])
+    second = daemons.start(replica_env(pg_url, "v2", log, tasks, 0.2), PLUGIN_ONLY, "v2")
+    second.wait_for_log("leader.waiting", loop="plugin")
+    first.wait_for_log("leader.lock_restored", loop="plugin")
+    time.sleep(3.0)
+    acquired = [e for e in second.log_events() if e.get("event") == "leader.acquired"]
+    stop_all([first, second])
+    assert acquired == [], acquired
+    failed = fetch(
+        pg_url, "SELECT count(*) AS n FROM scheduler_plugin_runs WHERE name = 'rogue' "
+        "AND status IN ('failed', 'timed_out')"
+    )[0]["n"]  # fmt: skip
+    assert failed >= 2
+    check_effects(read_effects(log), min_runs=5)
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_a_run_that_swallows_cancellation_ends_its_process_not_the_exclusion(
+    pg_url: str, daemons: Daemons, tmp_path: Path, mode: str
+) -> None:
+    """An async target that swallows CancelledError cannot be stopped: when its replica
+    loses the lock (here: its backend terminated), the replica exits 70 within stop_grace
+    and a little, and whoever takes over waits that long before its first run."""
+    log = tmp_path / "effects.jsonl"
+    tasks = [task("async_stubborn", every="0.5s")]
+    env = {"SCHEDULER_LOCK__MODE": mode}
+    first = daemons.start(replica_env(pg_url, "w1", log, tasks, 4.0, **env), PLUGIN_ONLY, "w1")
+    mid_run(log, "w1", {"async_stubborn"}, timeout=30)
+    second = daemons.start(replica_env(pg_url, "w2", log, tasks, 4.0, **env), PLUGIN_ONLY, "w2")
+    time.sleep(1.0)
+    holder = fetch(
+        pg_url,
+        "SELECT l.pid FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+        "WHERE l.locktype = 'advisory' AND l.granted AND l.objid = $1::bigint::oid "
+        "AND a.application_name LIKE 'scheduler-daemon/w1/%'",
+        DEFAULT_PLUGIN_KEY,
+    )
+    assert len(holder) == 1, holder
+    cut_at = terminate(pg_url, holder[0]["pid"])
+    assert first.wait(15) == 70
+    exited_at = time.time()
+    unstoppable = first.wait_for_log("leader.work_unstoppable")
+    wait_until(lambda: runs_of(log, "w2"), 30, "a run by the other replica")
+    stop_all([second])
+    print(f"\n{mode} mode: the replica with the stubborn run exited "
+          f"{exited_at - cut_at:.2f}s after its lock was taken ({unstoppable['tasks']})")  # fmt: skip
+    check_effects(read_effects(log), min_runs=2, min_instances=2)
+
+
 def test_a_deposed_leader_notices_its_closed_lock_connection_at_once(
     pg_url: str, daemons: Daemons, tmp_path: Path
 ) -> None:
@@ -394,6 +464,33 @@ def test_transaction_mode_runs_python_work_on_one_replica_at_a_time(
     counts = {row["status"]: row["n"] for row in statuses}
     assert "running" not in counts, counts
     assert counts.get("failed", 0) == 0, counts
+
+
+def test_transaction_mode_a_timed_out_sync_target_never_runs_beside_another_replica(
+    pg_url: str, daemons: Daemons, tmp_path: Path
+) -> None:
+    """The review's repro: in transaction mode a timed-out thread's run was recorded
+    `timed_out` while the thread ran on, and another replica started the task beside it
+    (two cross-replica overlaps in 12 s). The worker is now killed at timeout + stop_grace,
+    and the hold keeps the lock until it is dead."""
+    log = tmp_path / "effects.jsonl"
+    tasks = [task("sync_stubborn", every="0.5s", timeout="0.5s")]
+    env = {
+        "SCHEDULER_LOCK__MODE": "transaction",
+        "SCHEDULER_PLUGIN__MAX_CONSECUTIVE_FAILURES": "100",
+    }
+    replicas = [
+        daemons.start(replica_env(pg_url, f"o{n}", log, tasks, 5.0, **env), PLUGIN_ONLY, f"o{n}")
+        for n in (1, 2)
+    ]
+    wait_until(lambda: len(read_effects(log)) >= 6, 40, "six runs")
+    stop_all(replicas)
+    runs = read_effects(log)
+    summary = check_effects(runs, min_runs=6)
+    print(f"\ntransaction mode, timed-out stubborn sync runs per instance: {summary.runs}")
+    assert all(run.end - run.start < 0.5 + STOP_GRACE + 1.0 for run in runs[:-1]), runs
+    statuses = fetch(pg_url, "SELECT DISTINCT status FROM scheduler_plugin_runs")
+    assert {row["status"] for row in statuses} <= {"timed_out", "abandoned"}, statuses
 
 
 def test_transaction_mode_a_long_sql_task_delays_others_without_failing_them(

@@ -132,3 +132,54 @@ def test_a_deposed_leader_kills_its_stuck_sync_task_and_stands_by(
     standby.wait_for_log("task.abandoned", task="stuck")
     leader.signal(signal.SIGTERM)
     assert leader.wait(timeout=20) == 0
+
+
+@pytest.mark.postgres
+def test_shutdown_timeout_holds_when_the_stop_lands_in_a_waiting_tick(
+    daemons: Daemons, pg_url: str
+) -> None:
+    """A 20 s SQL task holds the lock connection, so the tick after it waits; SIGTERM
+    then cancels that tick at shutdown_timeout. The cancellation must not count as a
+    graceful stop that waits for the run to finish: the daemon exits within the budget."""
+    task = {"name": "long", "every": "1h", "timeout": "1m", "sql": "SELECT pg_sleep(20)"}
+    env = {
+        "SCHEDULER_DATABASE_URL": pg_url,
+        **FAST_TIMINGS,
+        "SCHEDULER_SHUTDOWN_TIMEOUT": "2",
+        "SCHEDULER_PLUGIN__INTERVAL": "0.1",
+        "SCHEDULER_PLUGIN__TASKS": json.dumps([task]),
+        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
+    }
+    process = daemons.start(env, args=["run", "--only", "plugin"])
+    process.wait_for_log("task.started", task="long", timeout=30)
+    time.sleep(1.0)
+    stopped = time.monotonic()
+    process.signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
+    took = time.monotonic() - stopped
+    print(f"\nstopped {took:.1f}s after SIGTERM (shutdown_timeout 2 s, the SQL task had 19 s left)")
+    assert took < 10
+
+
+@pytest.mark.postgres
+def test_transaction_mode_sql_task_may_outlast_the_pools_command_timeout(
+    daemons: Daemons, pg_url: str
+) -> None:
+    """In transaction mode a SQL task runs on a pooled connection, whose asyncpg
+    command_timeout (statement_timeout + connect_timeout) must not cut it short."""
+    task = {"name": "long", "every": "1h", "timeout": "10s", "sql": "SELECT pg_sleep(3)"}
+    env = {
+        "SCHEDULER_DATABASE_URL": pg_url,
+        "SCHEDULER_LOCK__MODE": "transaction",
+        **FAST_TIMINGS,
+        "SCHEDULER_DATABASE__STATEMENT_TIMEOUT": "1",
+        "SCHEDULER_DATABASE__CONNECT_TIMEOUT": "1",
+        "SCHEDULER_PLUGIN__TASKS": json.dumps([task]),
+        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
+    }
+    process = daemons.start(env, args=["run", "--only", "plugin"])
+    process.wait_for_log("task.succeeded", task="long", timeout=30)
+    rows = fetch(pg_url, "SELECT status FROM scheduler_plugin_runs WHERE name = 'long'")
+    assert rows == [{"status": "succeeded"}]
+    process.signal(signal.SIGTERM)
+    assert process.wait(timeout=20) == 0

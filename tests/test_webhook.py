@@ -1,11 +1,16 @@
-"""Webhooks: signatures a receiver can trust, and redirects that are never followed."""
+"""Webhooks: signatures a receiver can trust, redirects that are never followed, and
+delivery across replicas (each attempt once, one replica at a time, failover)."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import signal
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,8 +20,9 @@ from aiohttp import web
 from pydantic import SecretStr
 from rig.processes import DaemonProcess, Daemons
 from rig.sql import afetch
+from rig.ticks import FAST_TIMINGS
 
-from scheduler_daemon.config import WebhookPublisherSettings
+from scheduler_daemon.config import DEFAULT_PUBLISH_KEY, WebhookPublisherSettings
 from scheduler_daemon.logs import get_logger
 from scheduler_daemon.metrics import Metrics
 from scheduler_daemon.publishers.webhook import (
@@ -28,6 +34,7 @@ from scheduler_daemon.publishers.webhook import (
 
 SECRET = b"hmac-secret"
 BODY = b'{"id": 1}'
+PUBLISH_ONLY = ("run", "--only", "publish")
 
 # -- verify -------------------------------------------------------------------------
 
@@ -252,3 +259,442 @@ async def test_a_redirecting_endpoint_is_never_delivered(
     assert all(e["error"] == expected for e in retries)
     assert "SECRETPATH" not in process.output()
     assert "SECRETQUERY" not in process.output()
+
+
+# -- delivery across replicas (PostgreSQL) ------------------------------------------
+
+
+@dataclass
+class Call:
+    """One request as the endpoint saw it, timed on its own clock (time.monotonic)."""
+
+    replica: str  # from the per-replica URL's ?replica=
+    publication: int  # Idempotency-Key
+    attempt: int  # X-Scheduler-Attempt
+    token: int | None  # X-Scheduler-Fencing-Token (None: the header was missing)
+    signed: bool
+    start: float  # the handler began (the request's headers had arrived)
+    end: float | None = None  # the response was written (or could not be)
+
+
+class Hook:
+    """A webhook endpoint that holds each request `hold` seconds, answers
+    ``status(call)``, and records every request with its start and the end of its
+    response, server side."""
+
+    def __init__(self, hold: float, status: Callable[[Call], int]) -> None:
+        self.hold = hold
+        self.status = status
+        self.calls: list[Call] = []
+        self.base = ""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        start = time.monotonic()
+        body = await request.read()
+        token = request.headers.get("X-Scheduler-Fencing-Token")
+        call = Call(
+            replica=request.query.get("replica", "?"),
+            publication=int(request.headers["Idempotency-Key"]),
+            attempt=int(request.headers["X-Scheduler-Attempt"]),
+            token=None if token is None else int(token),
+            signed=verify(SECRET, body, request.headers.get("X-Scheduler-Signature", "")),
+            start=start,
+        )
+        self.calls.append(call)
+        try:
+            # Held, unless the sender goes away first (cancelled, killed): then the request
+            # ends there, which is when its sender stopped working on it.
+            deadline = start + self.hold
+            while time.monotonic() < deadline:
+                if request.transport is None or request.transport.is_closing():
+                    return web.Response(status=499)
+                await asyncio.sleep(min(0.005, max(0.0, deadline - time.monotonic())))
+            response = web.StreamResponse(status=self.status(call))
+            await response.prepare(request)
+            await response.write_eof()  # sent: only now can the sender see the answer
+            return response
+        finally:  # a dead client (SIGKILLed sender) makes the writes fail: still an end
+            call.end = time.monotonic()
+
+    def of(self, publication: int) -> list[Call]:
+        return sorted((c for c in self.calls if c.publication == publication), key=start_of)
+
+    def by_replica(self) -> dict[str, int]:
+        return dict(sorted(Counter(c.replica for c in self.calls).items()))
+
+
+def start_of(call: Call) -> float:
+    return call.start
+
+
+def tokens(calls: list[Call]) -> list[int | None]:
+    """The distinct fencing tokens, in order of first appearance."""
+    return list(dict.fromkeys(call.token for call in sorted(calls, key=start_of)))
+
+
+Serve = Callable[[float, Callable[[Call], int]], Awaitable[Hook]]
+
+
+@pytest.fixture
+async def hook_server() -> AsyncIterator[Serve]:
+    """``hook_server(hold, status)`` starts a `Hook` on its own port (in this event loop:
+    block it only through asyncio.to_thread)."""
+    runners: list[web.AppRunner] = []
+
+    async def serve(hold: float, status: Callable[[Call], int]) -> Hook:
+        hook = Hook(hold, status)
+        app = web.Application()
+        app.router.add_post("/hook", hook.handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        runners.append(runner)
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        hook.base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        return hook
+
+    try:
+        yield serve
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+def hook_env(url: str, hook: Hook, replica: str, **extra: str) -> dict[str, str]:
+    return {
+        "SCHEDULER_DATABASE_URL": url,
+        "SCHEDULER_INSTANCE_ID": replica,
+        **FAST_TIMINGS,
+        "SCHEDULER_PUBLISH__INTERVAL": "0.2",
+        "SCHEDULER_PUBLISH__PUBLISHERS": '["webhook"]',
+        # The query string tells the endpoint which replica sent a request.
+        "SCHEDULER_PUBLISH__WEBHOOK__URL": f"{hook.base}/hook?replica={replica}",
+        "SCHEDULER_PUBLISH__WEBHOOK__SECRET": SECRET.decode(),
+        "SCHEDULER_PUBLISH__WEBHOOK__BACKOFF": "0.2s",
+        "SCHEDULER_PUBLISH__WEBHOOK__MAX_ATTEMPTS": "4",
+        **extra,
+    }
+
+
+async def start_replicas(
+    daemons: Daemons, url: str, hook: Hook, count: int, **extra: str
+) -> list[DaemonProcess]:
+    replicas = [
+        daemons.start(hook_env(url, hook, f"r{n}", **extra), PUBLISH_ONLY, f"r{n}")
+        for n in range(1, count + 1)
+    ]
+    for replica in replicas:  # all of them compete before anything is due
+        await asyncio.to_thread(replica.wait_for_log, "loop.started", 30, loop="publish")
+    return replicas
+
+
+async def stop_replicas(replicas: list[DaemonProcess]) -> None:
+    running = [p for p in replicas if p.poll() is None]
+    for process in running:
+        process.signal(signal.SIGTERM)
+    for process in running:
+        assert await asyncio.to_thread(process.wait, 30) == 0, process.output()[-3000:]
+
+
+async def schedule_due(url: str, count: int, spread: float = 0.0) -> list[int]:
+    """`count` publications, the first due now and the others every `spread` seconds."""
+    rows = await afetch(
+        url,
+        "INSERT INTO scheduler_publications (key, payload, publish_at) "
+        "SELECT 'w' || g, jsonb_build_object('n', g), "
+        "now() + make_interval(secs => g * $2::float8) "
+        "FROM generate_series(0, $1 - 1) g RETURNING id",
+        count,
+        spread,
+    )
+    return sorted(row["id"] for row in rows)
+
+
+async def outbox_settled(url: str, ids: list[int], within: float) -> dict[int, dict[str, Any]]:
+    """Every outbox row of `ids` once none is pending (fails the test after `within`)."""
+    deadline = time.monotonic() + within
+    while True:
+        rows = await afetch(
+            url,
+            "SELECT o.publication_id, o.status, o.attempts, o.last_error, "
+            "p.status AS publication_status "
+            "FROM scheduler_webhook_outbox o JOIN scheduler_publications p "
+            "ON p.id = o.publication_id WHERE o.publication_id = ANY($1::bigint[])",
+            ids,
+        )
+        if len(rows) == len(ids) and all(row["status"] != "pending" for row in rows):
+            return {row.pop("publication_id"): row for row in rows}
+        if time.monotonic() > deadline:
+            raise AssertionError(f"outbox not settled after {within}s: {rows}")
+        await asyncio.sleep(0.1)
+
+
+def overlapping(calls: list[Call]) -> list[tuple[Call, Call]]:
+    """Pairs of requests that were at the endpoint at the same time."""
+    ordered = sorted(calls, key=start_of)
+    pairs = []
+    for i, first in enumerate(ordered):
+        assert first.end is not None, first
+        for second in ordered[i + 1 :]:
+            if second.start >= first.end:
+                break  # neither can any that started later
+            pairs.append((first, second))
+    return pairs
+
+
+def check_one_replica_at_a_time(calls: list[Call]) -> None:
+    """Transaction mode: a round's POSTs run inside the hold that owns the lock, so two
+    replicas' requests are never at the endpoint at once, and the fencing token never
+    goes backwards; it grows whenever the replica changes."""
+    assert "?" not in {c.replica for c in calls}, "the URL's ?replica= did not arrive"
+    across = [(a, b) for a, b in overlapping(calls) if a.replica != b.replica]
+    assert across == [], f"{len(across)} overlaps across replicas, e.g. {across[:3]}"
+    ordered = sorted(calls, key=start_of)
+    assert all(call.token is not None for call in ordered), "no X-Scheduler-Fencing-Token"
+    for before, after in itertools.pairwise(ordered):
+        assert before.token is not None
+        assert after.token is not None
+        if after.replica == before.replica:
+            assert after.token >= before.token, (before, after)
+        else:
+            assert after.token > before.token, (before, after)
+
+
+async def left_pending(url: str, count: int, due_in: float) -> list[int]:
+    """`count` publications that a previous leader published and died before delivering:
+    outbox rows pending, their first attempt due in `due_in` seconds. Every replica's
+    deliverer sees them in its first round, so all of them wake for the same attempt
+    (a deliverer that publishes nothing itself otherwise sleeps until it is told)."""
+    rows = await afetch(
+        url,
+        "WITH p AS (INSERT INTO scheduler_publications "
+        "(key, payload, publish_at, status, published_at, published_by, attempts) "
+        "SELECT 'left' || g, '{}', now(), 'published', now(), 'gone', 1 "
+        "FROM generate_series(1, $1) g RETURNING id) "
+        "INSERT INTO scheduler_webhook_outbox (publication_id, next_attempt_at) "
+        "SELECT id, now() + make_interval(secs => $2::float8) FROM p "
+        "RETURNING publication_id",
+        count,
+        due_in,
+    )
+    return sorted(row["publication_id"] for row in rows)
+
+
+async def seconds_until_due(url: str) -> float:
+    rows = await afetch(
+        url,
+        "SELECT extract(epoch FROM min(next_attempt_at) - now())::float8 AS s "
+        "FROM scheduler_webhook_outbox WHERE status = 'pending'",
+    )
+    return float(rows[0]["s"] or 0.0)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("replicas", [2, 3])
+async def test_transaction_mode_posts_each_attempt_once_cluster_wide(
+    daemons: Daemons, pg_url: str, hook_server: Serve, replicas: int
+) -> None:
+    """The review's repro: in transaction mode every replica ran a deliverer and
+    ``outbox_due`` claimed nothing, so with 2 replicas and a failing endpoint every round
+    was POSTed twice and ``attempts`` rose by 2 per round. Now each attempt is POSTed
+    once, numbered 1..max_attempts, never two at once for one publication, and the rows
+    end failed after exactly max_attempts POSTs. Rows left pending (every replica
+    races for each attempt) and rows published during the run."""
+    hook = await hook_server(0.05, lambda call: 500)
+    ids = await left_pending(pg_url, 3, due_in=4.0)
+    processes = await start_replicas(
+        daemons, pg_url, hook, replicas, SCHEDULER_LOCK__MODE="transaction"
+    )
+    margin = await seconds_until_due(pg_url)
+    ids += await schedule_due(pg_url, 3)
+    outbox = await outbox_settled(pg_url, ids, within=60)
+    await asyncio.sleep(1.0)  # a duplicate or a late round would arrive now
+    await stop_replicas(processes)
+    print(
+        f"\n{replicas} replicas, failing endpoint: {len(hook.calls)} POSTs, by replica "
+        f"{hook.by_replica()}, tokens {tokens(hook.calls)}; all up {margin:.1f}s early"
+    )
+    for publication in ids:
+        calls = hook.of(publication)
+        assert [c.attempt for c in calls] == [1, 2, 3, 4], (publication, calls)
+        same_time = overlapping(calls)
+        assert same_time == [], f"publication {publication} in flight twice: {same_time}"
+        assert outbox[publication] == {
+            "status": "failed",
+            "attempts": 4,
+            "last_error": "HTTP 500",
+            "publication_status": "failed",
+        }
+    assert all(call.signed for call in hook.calls)
+    check_one_replica_at_a_time(hook.calls)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("replicas", [2, 3])
+async def test_transaction_mode_delivers_each_publication_once(
+    daemons: Daemons, pg_url: str, hook_server: Serve, replicas: int
+) -> None:
+    """A succeeding endpoint: one POST per publication, attempt 1, delivered."""
+    hook = await hook_server(0.05, lambda call: 204)
+    ids = await left_pending(pg_url, 3, due_in=4.0)
+    processes = await start_replicas(
+        daemons, pg_url, hook, replicas, SCHEDULER_LOCK__MODE="transaction"
+    )
+    margin = await seconds_until_due(pg_url)
+    ids += await schedule_due(pg_url, 9, spread=0.1)
+    outbox = await outbox_settled(pg_url, ids, within=60)
+    await asyncio.sleep(1.0)
+    await stop_replicas(processes)
+    print(
+        f"\n{replicas} replicas, succeeding endpoint: POSTs by replica {hook.by_replica()}; "
+        f"all up {margin:.1f}s early"
+    )
+    for publication in ids:
+        assert [c.attempt for c in hook.of(publication)] == [1], hook.of(publication)
+        assert outbox[publication] == {
+            "status": "delivered",
+            "attempts": 1,
+            "last_error": None,
+            "publication_status": "published",
+        }
+    check_one_replica_at_a_time(hook.calls)
+
+
+@pytest.mark.postgres
+async def test_transaction_mode_webhook_work_never_overlaps_across_replicas(
+    daemons: Daemons, pg_url: str, hook_server: Serve
+) -> None:
+    """Three replicas, publications due throughout ~4 s, an endpoint that holds every
+    request 50 ms and fails each first attempt: rounds start from publishing (the
+    winner's own wake-up) and from retry timers (every replica's), and still no request
+    of one replica is at the endpoint while another's is."""
+    hook = await hook_server(0.05, lambda call: 500 if call.attempt == 1 else 200)
+    processes = await start_replicas(daemons, pg_url, hook, 3, SCHEDULER_LOCK__MODE="transaction")
+    ids = await schedule_due(pg_url, 20, spread=0.2)
+    outbox = await outbox_settled(pg_url, ids, within=60)
+    await asyncio.sleep(1.0)
+    await stop_replicas(processes)
+    print(f"\nno-overlap run: {len(hook.calls)} POSTs, by replica {hook.by_replica()}")
+    for publication in ids:
+        assert [c.attempt for c in hook.of(publication)] == [1, 2], hook.of(publication)
+        assert outbox[publication]["status"] == "delivered"
+        assert outbox[publication]["attempts"] == 2
+    check_one_replica_at_a_time(hook.calls)
+
+
+@pytest.mark.postgres
+async def test_session_mode_leader_killed_while_the_endpoint_holds_its_requests(
+    daemons: Daemons, pg_url: str, hook_server: Serve
+) -> None:
+    """Session mode, an endpoint that answers after 1 s, the leader SIGKILLed while all
+    its POSTs are held. The standby takes over and delivers everything. What is promised
+    and checked:
+
+    - at least once: each POST whose result the dead leader never recorded is repeated
+      (here: all of them, with the same attempt number), and each publication is POSTed
+      exactly once by the new leader, whose result is recorded;
+    - fencing: every request carries its sender's token, and the new leader's is larger
+      than any the dead one used. A receiver that keeps the largest token never has to
+      refuse a new leader's request; the only requests it may refuse are the dead
+      leader's, sent before it died (here they all arrived before the kill, so it refuses
+      none: a request still in the network could arrive later, with its old token).
+    """
+    hook = await hook_server(1.0, lambda call: 200)
+    old = daemons.start(hook_env(pg_url, hook, "r1"), PUBLISH_ONLY, "r1")
+    await asyncio.to_thread(old.wait_for_log, "leader.acquired", 30, loop="publish")
+    new = daemons.start(hook_env(pg_url, hook, "r2"), PUBLISH_ONLY, "r2")
+    await asyncio.to_thread(new.wait_for_log, "leader.waiting", 30, loop="publish")
+    ids = await schedule_due(pg_url, 5)  # fewer than webhook.concurrency: all at once
+    deadline = time.monotonic() + 30
+    while len(hook.calls) < len(ids):
+        assert time.monotonic() < deadline, f"the leader's POSTs did not arrive: {hook.calls}"
+        await asyncio.sleep(0.01)
+    before_kill = list(hook.calls)  # all the dead leader will ever send: 5 rows, 5 POSTs
+    killed_at = time.monotonic()
+    await asyncio.to_thread(old.kill)
+    # The scenario: no answer had been written when it died, so it recorded none of them.
+    assert all(c.end is None or c.end > killed_at for c in before_kill), before_kill
+    outbox = await outbox_settled(pg_url, ids, within=30)
+    await asyncio.sleep(1.5)  # the dead leader's held requests end; duplicates arrive
+    await stop_replicas([new])
+    takeover = next(e for e in new.log_events() if e.get("event") == "leader.acquired")
+
+    assert {c.replica for c in before_kill} == {"r1"}
+    assert sorted(c.publication for c in before_kill) == ids
+    after_kill = hook.calls[len(before_kill) :]  # the list only grows
+    assert {c.replica for c in after_kill} == {"r2"}, after_kill
+    assert all(c.start > killed_at for c in after_kill)
+    duplicated = sorted(p for p, n in Counter(c.publication for c in hook.calls).items() if n > 1)
+    print(
+        f"\nsession failover: {len(hook.calls)} POSTs for {len(ids)} publications, "
+        f"{len(duplicated)} repeated; tokens r1 {tokens(before_kill)}, "
+        f"r2 {tokens(after_kill)} (leader.acquired fencing_token "
+        f"{takeover.get('fencing_token')}); first r2 POST "
+        f"{min(c.start for c in after_kill) - killed_at:.3f}s after the kill"
+    )
+    for publication in ids:
+        calls = hook.of(publication)
+        assert [(c.replica, c.attempt) for c in calls] == [("r1", 1), ("r2", 1)], calls
+        assert outbox[publication] == {
+            "status": "delivered",
+            "attempts": 1,
+            "last_error": None,
+            "publication_status": "published",
+        }
+    assert duplicated == ids  # none of the dead leader's results had been recorded
+
+    [old_token] = {c.token for c in before_kill}
+    [new_token] = {c.token for c in after_kill}
+    assert old_token is not None
+    assert new_token is not None
+    assert new_token > old_token
+    assert takeover["fencing_token"] == new_token
+    largest = 0
+    refused = []
+    for call in sorted(hook.calls, key=start_of):  # a receiver that remembers the largest
+        assert call.token is not None
+        if call.token < largest:
+            refused.append(call)
+        largest = max(largest, call.token)
+    assert all(c.replica == "r1" and c.start < killed_at for c in refused), refused
+
+
+@pytest.mark.postgres
+async def test_transaction_mode_a_lost_round_stops_its_posts_before_anyone_else_posts(
+    daemons: Daemons, pg_url: str, hook_server: Serve
+) -> None:
+    """Transaction mode, an endpoint that holds requests 4 s, the backend of the round's
+    transaction terminated mid-POST: the round's POSTs are work of its hold, so they are
+    cancelled with it; and the replica that wins the lock next finds the fencing sequence
+    ahead of the last committed token (the lost round drew one) and waits settle_time
+    before its own POSTs. No two replicas' requests are ever at the endpoint at once."""
+    hook = await hook_server(4.0, lambda call: 200)
+    extra = {"SCHEDULER_LOCK__MODE": "transaction", "SCHEDULER_PUBLISH__WEBHOOK__TIMEOUT": "20s"}
+    processes = await start_replicas(daemons, pg_url, hook, 2, **extra)
+    ids = await schedule_due(pg_url, 3)
+    deadline = time.monotonic() + 30
+    while not hook.calls:
+        assert time.monotonic() < deadline, "no POST arrived"
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.3)
+    holder = await afetch(
+        pg_url,
+        "SELECT l.pid FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted "
+        "AND l.objid = $1::bigint::oid",
+        DEFAULT_PUBLISH_KEY,
+    )
+    assert len(holder) == 1, holder
+    cut = time.monotonic()
+    await afetch(pg_url, "SELECT pg_terminate_backend($1)", holder[0]["pid"])
+    outbox = await outbox_settled(pg_url, ids, within=60)
+    await stop_replicas(processes)
+    first = min(hook.calls, key=start_of)
+    assert first.end is not None
+    later = [c for c in hook.calls if c.start > cut]
+    print(
+        f"\nlost round: its POST ended {first.end - cut:.3f}s after the cut; the next POST "
+        f"started {min(c.start for c in later) - cut:.3f}s after it; by replica "
+        f"{hook.by_replica()}"
+    )
+    assert first.end - cut < 1.0  # cancelled with its hold, not after the 4 s hold
+    assert all(row["status"] == "delivered" for row in outbox.values()), outbox
+    check_one_replica_at_a_time(hook.calls)

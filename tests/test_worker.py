@@ -514,12 +514,16 @@ async def test_a_worker_whose_forkserver_dies_is_killed_and_reported(
         workers.run(make_job(ignores_sigterm, out), gone=asyncio.Event(), fresh=always, grace=60)
     )
     pid = (await wait_for(out))["pid"]
-    os.kill(multiprocessing.forkserver._forkserver._forkserver_pid, signal.SIGKILL)  # type: ignore[attr-defined]
+    server = multiprocessing.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    os.kill(server, signal.SIGKILL)
     with pytest.raises(WorkerFailed) as failed:
         async with asyncio.timeout(BOUND):
             await task
     assert failed.value.error == "worker lost: the forkserver exited while it ran"
     assert dead(pid)
+    # multiprocessing starts a new forkserver once it sees the old one exited (a zombie
+    # it can reap); until then it would still try the old one's socket.
+    await asyncio.to_thread(poll, lambda: dead(server))
     await run(workers, make_job(nothing, pass_context=False))  # on a new forkserver
 
 

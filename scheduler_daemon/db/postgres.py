@@ -9,6 +9,8 @@ dedicated connection with :meth:`PostgresStore.connect_dedicated`.
 from __future__ import annotations
 
 import json
+import math
+import socket
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
@@ -40,6 +42,39 @@ def _publication(row: Mapping[str, Any]) -> Publication:
     return Publication(**dict(row))
 
 
+def detect_dead_peer(conn: asyncpg.Connection, within: float) -> bool:
+    """Make the kernel end ``conn``'s socket when the server has been unreachable for
+    about ``within`` seconds, so that asyncpg reports the connection closed.
+
+    For the connections a leader's work depends on: without this, a statement whose
+    answer never comes (a cut network, a NAT table that dropped the flow) waits for ever
+    while the heartbeat, on other connections, may go on succeeding. TCP_USER_TIMEOUT ends
+    the socket when data we sent stays unacknowledged; keepalive probes (one after a
+    heartbeat's worth of silence) give it something to time out when we sent nothing.
+    Returns False where there is no TCP socket to tune (a Unix socket) or the platform
+    lacks the options. asyncpg exposes no socket: its transport is read privately.
+    """
+    transport = getattr(conn, "_transport", None)
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    idle = max(1, math.ceil(within / 2))
+    options = [
+        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPIDLE", None), idle),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPINTVL", None), 1),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPCNT", None), max(1, math.ceil(within))),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_USER_TIMEOUT", None), int(within * 1000)),
+    ]
+    try:
+        for level, option, value in options:
+            if option is not None:
+                sock.setsockopt(level, option, value)
+    except OSError:
+        return False
+    return True
+
+
 class PgTx:
     def __init__(self, conn: asyncpg.Connection, fencing_token: int | None = None) -> None:
         self.conn = conn
@@ -53,7 +88,8 @@ class PgTx:
         # (savepoints), and a SET LOCAL would outlive the savepoint that made it.
         previous = await self.conn.fetchval("SELECT current_setting('statement_timeout')")
         await self.conn.execute(f"SET LOCAL statement_timeout = {int(statement_timeout * 1000)}")
-        await self.conn.execute(sql)
+        # And asyncpg's own limit: a pooled connection's command_timeout would cut it short.
+        await self.conn.execute(sql, timeout=statement_timeout + 1.0)
         await self.conn.execute("SELECT set_config('statement_timeout', $1, true)", previous)
 
     async def fetch(self, query: str, *args: Any) -> list[dict[str, Any]]:

@@ -42,23 +42,15 @@ FROM scheduler_publications
 WHERE status = 'scheduled'
 
 -- name: fencing_next
--- A new leader's fencing token: one more than any before it for this loop. Run by the
--- new leader, holding the lock, in the transaction that records it as leader.
-INSERT INTO scheduler_fencing AS f (loop, token, instance) VALUES ($1, 1, $2)
+-- A new leader's fencing token: larger than any before it for this loop. Run by the new
+-- leader, holding the lock, in the transaction that records it as leader (in transaction
+-- mode: every transaction that wins the lock). `previous` is the last committed one.
+WITH previous AS (SELECT token FROM scheduler_fencing WHERE loop = $1)
+INSERT INTO scheduler_fencing AS f (loop, token, instance)
+VALUES ($1, nextval(format('scheduler_fencing_%s_seq', $1::text)::regclass), $2)
 ON CONFLICT (loop) DO UPDATE SET
-    token = f.token + 1, instance = EXCLUDED.instance, changed_at = now()
-RETURNING token
-
--- name: fencing_touch
--- Transaction mode: each winning transaction is a leadership of its own, but the token
--- only moves when the winner is another instance, so one replica's consecutive ticks
--- (and the runs they hand the lock to) share a token.
-INSERT INTO scheduler_fencing AS f (loop, token, instance) VALUES ($1, 1, $2)
-ON CONFLICT (loop) DO UPDATE SET
-    token = f.token + CASE WHEN f.instance = EXCLUDED.instance THEN 0 ELSE 1 END,
-    changed_at = CASE WHEN f.instance = EXCLUDED.instance THEN f.changed_at ELSE now() END,
-    instance = EXCLUDED.instance
-RETURNING token
+    token = EXCLUDED.token, instance = EXCLUDED.instance, changed_at = now()
+RETURNING token, (SELECT token FROM previous) AS previous
 
 -- name: leader_predecessor
 -- Read by a new leader before it claims the row: who led last and did not hand over (a
@@ -115,11 +107,17 @@ DELETE FROM scheduler_leaders
 WHERE loop = $1 AND lock_key = $2 AND backend_pid = pg_backend_pid()
 
 -- name: fence_begin
--- First statement of every fenced transaction on the lock connection. The session holds
--- the lock, so this re-entrant transaction-level hold always succeeds for the holder (and
--- fails if the session somehow lost it); while it lasts, SQL run inside the transaction
--- cannot free the lock for anyone else, even with pg_advisory_unlock_all().
-SELECT pg_try_advisory_xact_lock($1)
+-- First statement of every fenced transaction on the lock connection: the session holds
+-- the lock (false if it somehow lost it), and now this transaction holds it too. The
+-- transaction-level hold is re-entrant for the holder, and pg_advisory_unlock_all() does
+-- not release it: while it lasts, SQL run inside the transaction cannot free the lock.
+SELECT h.held AND pg_try_advisory_xact_lock($1)
+FROM (SELECT EXISTS (
+    SELECT 1 FROM pg_locks
+    WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid() AND objsubid = 1
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND classid = (($1::bigint >> 32) & 4294967295)::oid
+      AND objid = ($1::bigint & 4294967295)::oid) AS held) h
 
 -- name: fence_restore
 -- Last statement before commit: drop one session-level hold and take it again (instant:
@@ -130,8 +128,7 @@ SELECT u.held FROM (SELECT pg_advisory_unlock($1) AS held) u,
 LATERAL (SELECT pg_advisory_lock($1) WHERE u.held IS NOT NULL) l
 
 -- name: lock_held_here
--- Whether this session holds the key (after a rollback, which may have ended the only
--- hold left by SQL that ran pg_advisory_unlock_all()).
+-- Whether this session holds the key (after SQL ended a fenced transaction early).
 SELECT EXISTS (
     SELECT 1 FROM pg_locks
     WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid() AND objsubid = 1
@@ -231,10 +228,12 @@ WHERE active AND NOT (name = ANY($1::text[]))
 -- Run by whoever holds the lock while none of its own runs is in flight (a sticky leader
 -- taking over; in transaction mode every tick that wins the lock). Runs execute only while
 -- their replica holds the lock, so a run still marked running is not executing anywhere:
--- it can never record its result.
+-- it can never record its result. Except the caller's own runs ($2): after losing a hold,
+-- a replica may win the next tick while its runs of the lost hold are still being stopped;
+-- whichever other replica wins closes them, and waits for them to stop.
 UPDATE scheduler_plugin_runs
 SET status = 'abandoned', finished_at = now(), error = $1
-WHERE status = 'running'
+WHERE status = 'running' AND NOT (id = ANY($2::bigint[]))
 RETURNING name, slot, instance
 
 -- name: slot_claim

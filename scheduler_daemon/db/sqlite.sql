@@ -42,11 +42,13 @@ FROM scheduler_publications
 WHERE status = 'scheduled'
 
 -- name: fencing_next
+-- One more than the last. (No sequence in SQLite; its transactions that draw a token
+-- commit before any work starts.)
 INSERT INTO scheduler_fencing AS f (loop, token, instance) VALUES (?1, 1, ?2)
 ON CONFLICT (loop) DO UPDATE SET
     token = f.token + 1, instance = excluded.instance,
     changed_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
-RETURNING token
+RETURNING token, token - 1 AS previous
 
 -- name: leader_claim
 INSERT INTO scheduler_leaders
@@ -105,7 +107,7 @@ WHERE active AND name NOT IN (SELECT value FROM json_each(?1))
 -- name: runs_abandon_all
 UPDATE scheduler_plugin_runs
 SET status = 'abandoned', finished_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), error = ?1
-WHERE status = 'running'
+WHERE status = 'running' AND id NOT IN (SELECT value FROM json_each(?2))
 RETURNING name, slot, instance
 
 -- name: slot_claim

@@ -42,6 +42,14 @@ T = TypeVar("T")
 KILL_WAIT = 0.25
 
 
+def settle_time(settings: Settings) -> float:
+    """How long a new holder of the lock waits, before doing any work, for a predecessor
+    that may be alive and learning only now that it lost the lock: the longest it takes to
+    stop its work or exit (``stop_work``: stop_grace, then KILL_WAIT), plus as much again
+    as KILL_WAIT for noticing and scheduling on both sides."""
+    return settings.lock.stop_grace + 2 * KILL_WAIT
+
+
 class LeadershipLost(Exception):
     """This replica stopped leading (heartbeat failed, evicted, connection lost)."""
 
@@ -277,27 +285,39 @@ class LeaseState:
     async def hold_after(self, tx: Tx) -> PendingHold:
         return _AlreadyHeld(self)
 
-    async def stop_work(self) -> None:
+    async def stop_work(
+        self, unblock: Callable[[], None] | None = None, grace: float | None = None
+    ) -> None:
         """Cancel the work still running and wait until all of it has ended.
 
         Worker processes are SIGTERMed and SIGKILLed within ``stop_grace`` (at once when
-        the lock may be gone); async work gets the same time to unwind. Whatever is still
-        running after that ignores cancellation and cannot be stopped from here: the
-        process exits rather than let the lock go while it runs.
+        the lock may be gone); async work gets the same time to unwind. Work still running
+        then may be stuck in the database driver rather than in user code: asyncpg waits
+        for a cancelled query's cancellation to land, which on a dead socket it never
+        does. ``unblock`` (drop the lock's connection) frees those. Whatever still runs
+        after that ignores cancellation and cannot be stopped from here: the process
+        exits rather than go on while the lock is, or soon will be, someone else's.
+        (Dropping the connection can free the lock before that exit; a new leader waits
+        ``stop_grace`` + ``KILL_WAIT`` for a predecessor that is still alive.) ``grace``
+        replaces ``stop_grace`` for a lease whose work bounds its own stopping (holds).
         """
         pending = {task for task in self._work if not task.done()}
         if not pending:
             return
         for task in pending:
             task.cancel()
-        grace = self.settings.lock.stop_grace + KILL_WAIT
         started = time.monotonic()
+        grace = self.settings.lock.stop_grace if grace is None else grace
         _, still_running = await asyncio.wait(pending, timeout=grace)
+        if still_running:  # workers are being SIGKILLed about now; DB waits unblocked
+            if unblock is not None:
+                unblock()
+            _, still_running = await asyncio.wait(still_running, timeout=KILL_WAIT)
         if still_running:
             exit_now(
                 self.log,
-                f"work still running {grace:g}s after it was cancelled; exiting so that it "
-                "cannot run on beside the next leader",
+                f"work still running {_since(started):g}s after it was cancelled; exiting "
+                "so that it cannot run on beside the next leader",
                 tasks=sorted(task.get_name() for task in still_running),
             )
         self.log.debug("leader.work_stopped", tasks=len(pending), seconds=_since(started))

@@ -25,7 +25,7 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Any
 
@@ -33,11 +33,11 @@ import asyncpg
 
 from ..aio import unless_set, wait_any
 from ..config import LockSettings, Settings
-from ..db.postgres import PgTx, PostgresStore
+from ..db.postgres import PgTx, PostgresStore, detect_dead_peer
 from ..db.sqlfiles import queries
 from ..errors import describe
 from ..logs import Logger
-from .base import KILL_WAIT, GuardBase, LeadershipLost, LeaseState, Stopping, heartbeat
+from .base import GuardBase, LeadershipLost, LeaseState, Stopping, heartbeat, settle_time
 
 Q = queries("postgres")
 
@@ -73,35 +73,52 @@ class SessionLease(LeaseState):
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[PgTx]:
         """A transaction on the lock connection, fenced twice over: it cannot commit once
-        the session is gone, and SQL run inside it cannot release the lock (see
-        ``fence_begin`` / ``fence_restore`` in postgres.sql)."""
+        the session is gone, and SQL run inside it cannot release the lock.
+
+        The transaction first checks that the session holds the lock and takes a
+        transaction-level hold on it too (``fence_begin``): SQL that runs
+        ``pg_advisory_unlock_all()`` releases session-level holds only, so the lock stays
+        ours. The work runs in a savepoint; whatever becomes of it, the session lock is
+        restored before the transaction ends (``fence_restore``), while the
+        transaction-level hold still keeps it."""
         async with self.conn_lock:
             if self.lost.is_set():
                 raise LeadershipLost(self.reason or "lost")
-            try:
-                async with self.conn.transaction():
-                    if not await self.conn.fetchval(Q["fence_begin"], self.key):
-                        self.lose("the lock connection no longer holds the lock", gone=True)
-                        raise LeadershipLost(self.reason or "lost")
-                    yield PgTx(self.conn, self.fencing_token)
+            async with self.conn.transaction():
+                if not await self.conn.fetchval(Q["fence_begin"], self.key):
+                    self._fence_broken("the lock connection no longer holds the lock")
+                try:
+                    async with self.conn.transaction():
+                        yield PgTx(self.conn, self.fencing_token)
+                finally:
+                    await self._restore()
+
+    async def _restore(self) -> None:
+        if self.lost.is_set() or self.conn.is_closed():
+            return  # nothing to keep: the guard drops the connection
+        try:
+            async with asyncio.timeout(self.settings.database.connect_timeout):
+                if self.conn.is_in_transaction():
                     if not await self.conn.fetchval(Q["fence_restore"], self.key):
                         self.log.warning(
                             "leader.lock_restored",
-                            hint="SQL run in a fenced transaction released the loop's lock "
-                            "(pg_advisory_unlock_all?); it was held throughout and is held again",
+                            hint="SQL run in a fenced transaction released the loop's "
+                            "lock (pg_advisory_unlock_all?); it was held throughout and "
+                            "is held again",
                         )
-            except Exception:
-                await self._check_after_rollback()
-                raise
+                # SQL ended the transaction (COMMIT): without the transaction-level hold
+                # only the session lock is left to tell. Do not touch it; look.
+                elif not await self.conn.fetchval(Q["lock_held_here"], self.key):
+                    self._fence_broken("SQL in a fenced transaction ended it and the lock")
+        except LeadershipLost:
+            raise
+        except Exception as exc:  # fail closed: unsure is lost
+            self._fence_broken(f"could not restore the fence: {describe(exc)}")
 
-    async def _check_after_rollback(self) -> None:
-        """The rollback ended the transaction-level hold; if SQL in it had also released
-        the session lock, nothing holds the lock any more."""
-        if self.lost.is_set() or self.conn.is_closed() or self.conn.is_in_transaction():
-            return
-        with suppress(Exception):
-            if not await asyncio.wait_for(self.conn.fetchval(Q["lock_held_here"], self.key), 1):
-                self.lose("SQL run in a fenced transaction released the loop's lock", gone=True)
+    def _fence_broken(self, reason: str) -> None:
+        if self.lose(reason, gone=True):
+            self.log.warning("leader.lost", reason=reason, lock_may_be_free=True)
+        raise LeadershipLost(reason)
 
 
 class SessionGuard(GuardBase[PostgresStore]):
@@ -114,6 +131,9 @@ class SessionGuard(GuardBase[PostgresStore]):
         conn = await self.store.connect_dedicated(
             f"lock:{self.loop}", session_keepalive_settings(self.settings)
         )
+        # Within the step-down bound, the kernel ends a socket whose server went silent:
+        # then even a tick stuck waiting on it ends leadership (the termination listener).
+        detect_dead_peer(conn, self.lock.step_down_after)
         try:
             if conn.get_server_version() >= (14, 0):
                 # A leader killed mid-statement: without this the server notices the closed
@@ -141,6 +161,8 @@ class SessionGuard(GuardBase[PostgresStore]):
         )
         on_closed = self._on_closed(lease)
         conn.add_termination_listener(on_closed)
+        if conn.is_closed():  # closed before the listener was there to hear it
+            on_closed(conn)
         self.metrics.leader.labels(self.loop).set(1)
         self.metrics.leadership_changes.labels(self.loop, "acquired").inc()
         self.log.info(
@@ -160,7 +182,7 @@ class SessionGuard(GuardBase[PostgresStore]):
             clean_exit = True
         finally:
             # Work first, lock last: nothing of this leadership may run once it is free.
-            await lease.stop_work()
+            await lease.stop_work(unblock=conn.terminate)
             beating.cancel()
             await asyncio.wait({beating})
             conn.remove_termination_listener(on_closed)
@@ -173,19 +195,21 @@ class SessionGuard(GuardBase[PostgresStore]):
         A leader that did not hand over (no graceful release) either died — then its
         sessions end with it, within milliseconds — or is alive and lost its lock to the
         server (an operator's ``pg_terminate_backend``, say): then it learns so from its
-        socket at about the moment we were granted the lock, and stops its work within
-        ``stop_grace``. Wait for whichever comes first: none of its sessions left, or that
-        bound. A frozen predecessor is the one case this cannot cover (docs/leadership.md).
+        socket at about the moment we were granted the lock, and stops its work (or exits)
+        within ``stop_grace`` and a little. Wait for whichever comes first: none of its
+        sessions left, or that bound (``settle_time``). A frozen predecessor is the one case this cannot cover (docs/leadership.md).
         """
         me = (self.settings.instance_id, os.getpid())
         if predecessor is None or (predecessor["instance"], predecessor["pid"]) == me:
             return {}
         prefix = f"scheduler-daemon/{predecessor['instance']}/"[:63]
         started = time.monotonic()
-        deadline = started + self.lock.stop_grace + KILL_WAIT
+        deadline = started + settle_time(self.settings)
         alive = True
         while time.monotonic() < deadline:
-            if not await conn.fetchval(Q["instance_sessions"], prefix):
+            if not await conn.fetchval(
+                Q["instance_sessions"], prefix, timeout=self.lock.stop_grace
+            ):
                 alive = False
                 break
             await asyncio.sleep(0.01)

@@ -36,10 +36,11 @@ from typing import Any
 import asyncpg
 
 from ..db.base import Tx
-from ..db.postgres import PgTx, PostgresStore
+from ..db.postgres import PgTx, PostgresStore, detect_dead_peer
 from ..db.sqlfiles import queries
 from ..errors import describe
 from .base import (
+    KILL_WAIT,
     GuardBase,
     LeadershipLost,
     Lease,
@@ -47,6 +48,7 @@ from .base import (
     NotLeader,
     PendingHold,
     heartbeat,
+    settle_time,
 )
 
 Q = queries("postgres")
@@ -77,7 +79,11 @@ class TransactionGuard(GuardBase[PostgresStore]):
         try:
             yield lease
         finally:
-            await lease.stop_work()  # holds roll back; their work is stopped first
+            # Holds stop their own work (within stop_grace + KILL_WAIT) and then end their
+            # transaction (within connect_timeout): give them that long.
+            settings = self.settings
+            bound = settings.lock.stop_grace + KILL_WAIT + settings.database.connect_timeout
+            await lease.stop_work(grace=bound)
             if self.leading:
                 self.note_leading(False)
 
@@ -97,7 +103,8 @@ class TransactionGuard(GuardBase[PostgresStore]):
             self.note_leading(False)
             raise NotLeader(self.loop)
         instance = self.settings.instance_id
-        token: int = await conn.fetchval(Q["fencing_touch"], self.loop, instance)
+        drawn = await conn.fetchrow(Q["fencing_next"], self.loop, instance)
+        token: int = drawn["token"]
         await conn.execute(
             Q["leader_touch"],
             self.loop,
@@ -108,7 +115,23 @@ class TransactionGuard(GuardBase[PostgresStore]):
             token,
         )
         self.note_leading(True)
+        await self._settle(drawn["previous"], token)
         return token
+
+    async def _settle(self, previous: int | None, token: int) -> None:
+        """A transaction that wins the lock draws the loop's next token. If the last one
+        committed is not the one before it, a holder since then did not commit: its hold
+        was lost — to a terminated backend, a restarted server — and its replica, perhaps
+        alive, learns so only now and is still stopping that work. Keep the lock and wait
+        for it before doing any."""
+        if previous is None or token == previous + 1:
+            return
+        seconds = settle_time(self.settings)
+        self.log.info(
+            "leader.settling", mode="transaction", token=token, last_committed=previous,
+            seconds=seconds,
+        )  # fmt: skip
+        await asyncio.sleep(seconds)
 
 
 class TransactionLease(LeaseState):
@@ -168,6 +191,7 @@ class TransactionHold(LeaseState):
     async def _open(self) -> asyncpg.Connection:
         pool = self.guard.store.pool
         self._conn = await pool.acquire()
+        detect_dead_peer(self._conn, self.settings.lock.step_down_after)  # as the session's
         try:
             self._transaction = self._conn.transaction()
             await self._transaction.start()
@@ -191,7 +215,6 @@ class TransactionHold(LeaseState):
         waiting: from then on, ``tx`` ending hands the lock straight to us."""
         conn = await self._open()
         try:
-            self.fencing_token = tx.fencing_token or 0  # same instance, same leadership
             stall_ms = int(self.settings.lock.stall_timeout * 1000)
             await conn.execute(f"SET LOCAL lock_timeout = {stall_ms}")
             self._granted = asyncio.ensure_future(
@@ -221,9 +244,16 @@ class TransactionHold(LeaseState):
             if self._granted is not None:
                 await self._granted  # granted the moment the claiming tick committed
                 await self._conn.execute("SET LOCAL lock_timeout = DEFAULT")
+                # A token of its own, drawn in its own transaction: if this hold is lost,
+                # the next winner of the lock sees the gap (TransactionGuard._settle).
+                self.fencing_token = await self._conn.fetchval(
+                    Q["fencing_next"], self.guard.loop, self.settings.instance_id
+                )
             self.last_proven = time.monotonic()
             self._on_closed = self._closed
             self._conn.add_termination_listener(self._on_closed)
+            if self._conn.is_closed():  # closed before the listener was there to hear it
+                self._closed(self._conn)
             beat = heartbeat(self, self._prove, self._lose)
             self._heartbeat = asyncio.create_task(beat, name="hold:heartbeat")
         except BaseException:
@@ -239,7 +269,7 @@ class TransactionHold(LeaseState):
     ) -> None:
         # Work first, lock last: the transaction (and the lock) ends after the work.
         try:
-            await self.stop_work()
+            await self.stop_work(unblock=self._terminate)
         finally:
             if self._heartbeat is not None:
                 self._heartbeat.cancel()
@@ -255,6 +285,22 @@ class TransactionHold(LeaseState):
 
     def _lose(self, reason: str, gone: bool) -> None:
         self.lose(reason, gone=gone)
+
+    def _usable(self) -> bool:
+        """Whether the hold's connection is still ours to use. When the connection closes,
+        asyncpg's pool takes it back by itself and detaches the proxy we hold, whose every
+        method then raises."""
+        if self._conn is None:
+            return False
+        try:
+            return not self._conn.is_closed()
+        except asyncpg.InterfaceError:
+            return False
+
+    def _terminate(self) -> None:
+        self.lose("work stuck on the hold's connection", gone=True)
+        if self._usable():
+            self._conn.terminate()
 
     def _closed(self, _conn: Any) -> None:
         self.lose("hold connection closed", gone=True)
@@ -283,23 +329,36 @@ class TransactionHold(LeaseState):
         async with self.conn_lock:
             if self.lost.is_set():
                 raise LeadershipLost(self.reason or "lost")
-            async with self._conn.transaction():  # a savepoint in the held transaction
-                yield PgTx(self._conn, self.fencing_token)
+            try:
+                async with self._conn.transaction():  # a savepoint in the held transaction
+                    yield PgTx(self._conn, self.fencing_token)
+            finally:
+                if self._usable() and not self._conn.is_in_transaction():
+                    # SQL in it ran COMMIT or ROLLBACK: the held transaction, and the lock
+                    # with it, are gone; everything still running must stop now.
+                    self.lose("SQL ended the hold's transaction", gone=True)
 
     async def _close(self, commit: bool) -> None:
-        conn, self._conn = self._conn, None
-        if conn is None:
+        if not self._usable():
+            self._conn = None  # closed: asyncpg's pool took it back already
             return
+        conn, self._conn = self._conn, None
         if self._on_closed is not None:
             conn.remove_termination_listener(self._on_closed)
+        bound = self.settings.database.connect_timeout
         try:
-            if self._transaction is not None and not conn.is_closed():
-                if commit:
-                    await self._transaction.commit()
-                else:
-                    await self._transaction.rollback()
+            if self.lost.is_set() and not commit:
+                # Its socket may be dead (a cut network): a ROLLBACK would wait for an
+                # answer that never comes. Dropping the connection rolls back just as well.
+                conn.terminate()
+            elif self._transaction is not None and not conn.is_closed():
+                async with asyncio.timeout(bound):
+                    if commit:
+                        await self._transaction.commit()
+                    else:
+                        await self._transaction.rollback()
         except Exception as exc:
             self.guard.log.warning("hold.end_failed", commit=commit, error=describe(exc))
             conn.terminate()  # the server rolls back; the pool replaces the connection
         finally:
-            await self.guard.store.pool.release(conn)
+            await self.guard.store.pool.release(conn, timeout=bound)

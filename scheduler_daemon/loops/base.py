@@ -82,10 +82,14 @@ class LoopRunner:
             try:
                 async with self.guard.leadership() as lease:
                     backoff.reset()
+                    cancelled = False
                     try:
                         await self._lead(lease)
+                    except asyncio.CancelledError:
+                        cancelled = True  # shutdown_timeout ran out: no more waiting
+                        raise
                     finally:
-                        graceful = self.stop.is_set() and not lease.lost.is_set()
+                        graceful = not cancelled and self.stop.is_set() and not lease.lost.is_set()
                         await self.work.leadership_ended(graceful)
                 if not lease.lost.is_set():
                     continue  # a stop: the loop condition ends it

@@ -30,11 +30,11 @@ from typing import Any
 
 import structlog
 
+from ..aio import unless_set
 from ..config import Settings
 from ..db.base import Tx
 from ..errors import describe
 from ..leadership import Lease, PendingHold
-from ..leadership.base import KILL_WAIT
 from ..logs import Logger
 from ..metrics import Metrics
 from ..plugins.context import TaskContext
@@ -72,10 +72,9 @@ class PluginWork:
         # In-flight runs by task name (a claimed run counts from its claim on).
         self.running: dict[str, asyncio.Task[Any]] = {}
         self._batches: set[asyncio.Task[None]] = set()  # one per tick that claimed runs
+        self._run_ids: set[int] = set()  # their rows in scheduler_plugin_runs
         self.wake: Callable[[], None] = lambda: None  # the runner sets its own
         self._lease: Lease | None = None
-        self._settle_for = settings.lock.stop_grace + KILL_WAIT
-        self._settle_until = 0.0  # transaction mode: no runs before (see tick)
 
     async def tick(self, tick: Tick) -> float | None:
         claims: list[Claim] = []
@@ -83,23 +82,17 @@ class PluginWork:
         try:
             async with tick.lease.transaction() as tx:
                 now: datetime = (await tx.fetch("now"))[0]["now"]
-                if self._lease is not tick.lease:
+                taking_over = self._lease is not tick.lease
+                if taking_over:
                     await self._take_over(tx, now, tick.log)
-                    self._lease = tick.lease
-                elif not self.sticky and await self._abandon(tx, tick.log):
-                    # Transaction mode: this tick holds the lock, so no run of any replica
-                    # is executing (runs hold it too); what is `running` is dead. But its
-                    # hold may have ended under a live replica, which learns so from its
-                    # socket only now: give it stop_grace to stop before we start runs.
-                    self._settle_until = time.monotonic() + self._settle_for
-                if time.monotonic() < self._settle_until:
-                    return min(self._settle_for, self.settings.plugin.interval)
-                states = {row["name"]: row for row in await tx.fetch("task_states")}
-                for spec in self.tasks.values():
-                    state = states.get(spec.name)
-                    if state is None or not state["active"] or state["paused"]:
-                        continue
-                    claims += await self._due_claims(tx, spec, state, now, len(claims), tick.log)
+                # Whoever holds the lock knows that nothing executes the runs still marked
+                # `running` (runs execute under the lock): a sticky leader when it takes
+                # over, in transaction mode every tick that wins. (Had their replica lost
+                # its hold to the server and still be stopping them, the guard waited for
+                # it before this tick: see the guards' settle.)
+                if taking_over or not self.sticky:
+                    await self._abandon(tx, tick.log)
+                claims = await self._claims(tx, now, tick.log)
                 wake = self._next_wake(await tx.fetch("task_states"), now, len(claims))
                 if claims:
                     hold = await tick.lease.hold_after(tx)
@@ -107,9 +100,20 @@ class PluginWork:
             if hold is not None:
                 await hold.discard()  # what it would have run was rolled back
             raise
+        self._lease = tick.lease  # committed: reconciled, and its predecessors' runs closed
         if hold is not None:
             self._start_batch(tick.lease, hold, claims, tick.log)
         return wake
+
+    async def _claims(self, tx: Tx, now: datetime, log: Logger) -> list[Claim]:
+        claims: list[Claim] = []
+        states = {row["name"]: row for row in await tx.fetch("task_states")}
+        for spec in self.tasks.values():
+            state = states.get(spec.name)
+            if state is None or not state["active"] or state["paused"]:
+                continue
+            claims += await self._due_claims(tx, spec, state, now, len(claims), log)
+        return claims
 
     async def leadership_ended(self, graceful: bool) -> None:
         """Graceful (daemon stopping, lease still valid): let the runs finish and record
@@ -137,17 +141,15 @@ class PluginWork:
             elif not row["active"]:
                 await tx.fetch("task_activate", spec.name)
         await tx.fetch("tasks_deactivate_others", list(self.tasks))
-        await self._abandon(tx, log)
 
-    async def _abandon(self, tx: Tx, log: Logger) -> int:
-        rows = await tx.fetch("runs_abandon_all", ABANDONED)
+    async def _abandon(self, tx: Tx, log: Logger) -> None:
+        rows = await tx.fetch("runs_abandon_all", ABANDONED, sorted(self._run_ids))
         for row in rows:
             self.metrics.plugin_runs.labels(row["name"], "abandoned").inc()
             log.warning(
                 "task.abandoned", task=row["name"], slot=row["slot"].isoformat(),
                 run_instance=row["instance"],  # `instance` names the logger
             )  # fmt: skip
-        return len(rows)
 
     async def _due_claims(
         self,
@@ -241,22 +243,35 @@ class PluginWork:
     ) -> None:
         batch = lease.spawn(self._run_batch(hold, claims, log), name="plugin:batch")
         self._batches.add(batch)
-        batch.add_done_callback(self._batches.discard)
+        run_ids = {claim.run_id for claim in claims}
+        self._run_ids |= run_ids
+
+        def ended(task: asyncio.Task[None]) -> None:
+            self._batches.discard(task)
+            self._run_ids -= run_ids
+
+        batch.add_done_callback(ended)
         for claim in claims:  # its places are taken from now on
             self._track(claim.spec.name, batch)
 
     async def _run_batch(self, pending: PendingHold, claims: list[Claim], log: Logger) -> None:
-        """Hold the lock for one tick's runs until every one of them has ended."""
+        """Hold the lock for one tick's runs until every one of them has ended (or the
+        hold is lost: then its exit stops them, within stop_grace, before it lets go)."""
+        entered = False
         try:
             async with pending as hold:
+                entered = True
                 runs = []
                 for claim in claims:
                     run = hold.spawn(self._run(claim, hold, log), name=f"task:{claim.spec.name}")
                     self._track(claim.spec.name, run)
                     runs.append(run)
-                await asyncio.wait(runs)
+                await unless_set(asyncio.wait(runs), hold.lost)
         except Exception as exc:  # lost before or while committing: the runs stay `running`
             log.warning("plugin.hold_failed", error=describe(exc))
+        finally:
+            if not entered:
+                await pending.discard()  # cancelled before it began: never leave it queued
 
     def _track(self, name: str, task: asyncio.Task[Any]) -> None:
         self.running[name] = task

@@ -34,13 +34,13 @@ from urllib.parse import urljoin
 import aiohttp
 
 from .. import __version__
-from ..aio import wait_any
+from ..aio import unless_set, wait_any
 from ..config import WebhookPublisherSettings, redact_webhook_url
 from ..db.base import Tx
 from ..db.connect import Backoff
 from ..db.url import REDACTED
 from ..errors import describe
-from ..leadership import Lease, NotLeader
+from ..leadership import LeadershipLost, Lease, NotLeader
 from ..logs import Logger
 from ..metrics import Metrics
 from .base import Published
@@ -152,8 +152,10 @@ class WebhookDeliverer:
 
     async def _deliver_due(self, session: aiohttp.ClientSession, held: Lease) -> float:
         """Deliver one round of due rows; return how long to wait before the next."""
+        # One wave of POSTs per round: in transaction mode the round holds the publish
+        # lock, so it must not outlast one webhook.timeout.
         async with held.transaction() as tx:
-            due = await tx.fetch("outbox_due", self.settings.concurrency * 4)
+            due = await tx.fetch("outbox_due", self.settings.concurrency)
             if not due:
                 seconds = (await tx.fetch("outbox_next_in"))[0]["seconds"]
         if due:
@@ -164,16 +166,18 @@ class WebhookDeliverer:
     async def _deliver_batch(
         self, session: aiohttp.ClientSession, held: Lease, rows: list[dict[str, Any]]
     ) -> None:
-        limit = asyncio.Semaphore(self.settings.concurrency)
-
-        async def one(row: dict[str, Any]) -> str | None:
-            async with limit:
-                return await self._post(session, row, held.fencing_token)
-
-        errors = await asyncio.gather(*(one(row) for row in rows))
+        # Each POST is work of the hold: losing it cancels them, and the hold is let go
+        # only once they have stopped.
+        posts = [
+            held.spawn(self._post(session, row, held.fencing_token), name="webhook:post")
+            for row in rows
+        ]
+        await unless_set(asyncio.wait(posts), held.lost)
+        if held.lost.is_set():
+            raise LeadershipLost(held.reason or "lost")
         async with held.transaction() as tx:
-            for row, error in zip(rows, errors, strict=True):
-                await self._record(tx, row, error)
+            for row, post in zip(rows, posts, strict=True):
+                await self._record(tx, row, post.result())
 
     async def _post(
         self, session: aiohttp.ClientSession, row: dict[str, Any], fencing_token: int

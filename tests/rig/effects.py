@@ -27,6 +27,7 @@ from typing import Any
 
 EFFECTS_TARGETS = {
     "async": "scheduler_sample_plugin.effects:probe_async",
+    "async_stubborn": "scheduler_sample_plugin.effects:probe_async_stubborn",
     "sync": "scheduler_sample_plugin.effects:probe_sync",
     "sync_stubborn": "scheduler_sample_plugin.effects:probe_sync_stubborn",
 }

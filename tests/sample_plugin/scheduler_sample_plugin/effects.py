@@ -77,6 +77,21 @@ async def probe_async(ctx: Any) -> None:
     record.write("end")
 
 
+async def probe_async_stubborn(ctx: Any) -> None:
+    """An async target that swallows cancellation and works on: a bug, which the daemon
+    answers by exiting rather than letting its lock go while this runs."""
+    record = _recorder(ctx, "async_stubborn")
+    record.write("start")
+    deadline = time.monotonic() + _seconds("EFFECTS_SECONDS", 0.3)
+    while time.monotonic() < deadline:
+        try:
+            await asyncio.sleep(BEAT)
+        except asyncio.CancelledError:
+            record.write("swallowed")
+        record.write("beat")
+    record.write("end")
+
+
 def probe_sync(ctx: Any) -> None:
     """A sync target that works for $EFFECTS_SECONDS and honours ``ctx.cancelled``."""
     record = _recorder(ctx, "sync")
