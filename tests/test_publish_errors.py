@@ -22,6 +22,7 @@ import asyncpg
 import pytest
 from rig.processes import DaemonProcess, Daemons
 from rig.sql import fetch, scalar
+from test_publish import start
 
 from scheduler_daemon.config import Settings
 from scheduler_daemon.db.connect import is_transient, is_transient_database_error
@@ -31,17 +32,6 @@ from scheduler_daemon.metrics import Metrics
 from scheduler_daemon.publishers import Published
 
 # -- helpers ------------------------------------------------------------------------
-
-
-def start(daemons: Daemons, url: str, **env: str) -> DaemonProcess:
-    base = {
-        "SCHEDULER_DATABASE_URL": url,
-        "SCHEDULER_PUBLISH__INTERVAL": "0.2",
-        "SCHEDULER_LOCK__HEARTBEAT_INTERVAL": "0.5",
-    }
-    process = daemons.start(base | env, args=["run", "--only", "publish"])
-    process.wait_for_log("leader.acquired", loop="publish")
-    return process
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:

@@ -25,6 +25,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from rig.ticks import assert_enough
+
 EFFECTS_TARGETS = {
     "async": "scheduler_sample_plugin.effects:probe_async",
     "async_stubborn": "scheduler_sample_plugin.effects:probe_async_stubborn",
@@ -139,16 +141,8 @@ def check_effects(
         assert not unexcused, f"loop {loop}:\n  " + "\n  ".join(unexcused)
         for _, who in problems:
             allowed += [run for run in who if allow(run) and run not in allowed]
-        counts: dict[str, int] = defaultdict(int)
-        for run in items:
-            counts[run.instance] += 1
-        assert len(items) >= min_runs, (
-            f"loop {loop}: only {len(items)} runs (< {min_runs}): too little to prove exclusion"
-        )
-        assert len(counts) >= min_instances, (
-            f"loop {loop}: runs by {dict(counts)}, expected >= {min_instances} instances"
-        )
-        summary[loop] = dict(counts)
+        instances = [run.instance for run in items]
+        summary[loop] = assert_enough(loop, instances, min_runs, min_instances, what="runs")
     return EffectsSummary(summary, allowed)
 
 

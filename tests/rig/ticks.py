@@ -10,7 +10,7 @@ the instance (``scheduler-daemon/<instance>/lock:plugin``).
 
 SQLite serialises every write transaction on the file, so an SQL probe there could never
 show an overlap; :func:`python_probe_env` runs a Python target instead, which records
-wall-clock intervals to a file outside any transaction.
+wall-clock intervals to a file outside any transaction (the probe of ``rig.effects``).
 
 :func:`assert_no_overlap` is the one checker every leadership test uses. It refuses data
 that proves nothing (too few ticks, too few instances).
@@ -88,14 +88,16 @@ def probe_env(sql: str, every: str = "0.2s", name: str = PROBE_TASK) -> dict[str
 
 
 def python_probe_env(log_file: Path, every: str = "0.2s", sleep: float = 0.05) -> dict[str, str]:
-    """The plugin loop with a Python probe (``rig.probe_target:probe``) writing to `log_file`."""
-    tasks = [{"name": PROBE_TASK, "every": every, "target": "rig.probe_target:probe"}]
+    """The plugin loop with a Python probe: the async target of
+    ``scheduler_sample_plugin.effects``, working `sleep` seconds and writing wall-clock
+    records to `log_file` (read back with :func:`python_ticks`)."""
+    from rig.effects import EFFECTS_TARGETS, effects_env
+
+    tasks = [{"name": PROBE_TASK, "every": every, "target": EFFECTS_TARGETS["async"]}]
     return {
         "SCHEDULER_PLUGIN__INTERVAL": "0.1",
         "SCHEDULER_PLUGIN__TASKS": json.dumps(tasks),
-        "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
-        "PROBE_LOG": str(log_file),
-        "PROBE_SLEEP": str(sleep),
+        **effects_env(log_file, sleep),
     }
 
 
@@ -159,17 +161,25 @@ def assert_no_overlap(
             )
             if current.end > latest.end:
                 latest = current
-        counts: dict[str, int] = defaultdict(int)
-        for item in items:
-            counts[item.instance] += 1
-        assert len(items) >= min_ticks, (
-            f"loop {loop}: only {len(items)} ticks (< {min_ticks}): too little to prove exclusion"
-        )
-        assert len(counts) >= min_instances, (
-            f"loop {loop}: ticks by {dict(counts)}, expected >= {min_instances} instances"
-        )
-        summary[loop] = dict(counts)
+        summary[loop] = assert_enough(loop, [i.instance for i in items], min_ticks, min_instances)
     return summary
+
+
+def assert_enough(
+    loop: str, instances: list[str], minimum: int, min_instances: int, what: str = "ticks"
+) -> dict[str, int]:
+    """Refuse data that proves nothing: fewer than `minimum` intervals, or fewer distinct
+    instances than `min_instances`. Returns the count per instance."""
+    counts: dict[str, int] = defaultdict(int)
+    for instance in instances:
+        counts[instance] += 1
+    assert len(instances) >= minimum, (
+        f"loop {loop}: only {len(instances)} {what} (< {minimum}): too little to prove exclusion"
+    )
+    assert len(counts) >= min_instances, (
+        f"loop {loop}: {what} by {dict(counts)}, expected >= {min_instances} instances"
+    )
+    return dict(counts)
 
 
 def _stamp(epoch: float) -> str:
@@ -215,16 +225,10 @@ def sqlite_tick_count(path: Path) -> int:
 
 
 def python_ticks(log_file: Path, loop: str = "plugin") -> list[Interval]:
-    """Intervals written by ``rig.probe_target:probe`` (one JSON line per finished run)."""
-    try:
-        lines = log_file.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    intervals = []
-    for line in lines:
-        entry = json.loads(line)
-        intervals.append(Interval(loop, entry["instance"], entry["start"], entry["end"]))
-    return intervals
+    """The runs of the Python probe (see :func:`python_probe_env`), as intervals."""
+    from rig.effects import read_effects
+
+    return [Interval(loop, run.instance, run.start, run.end) for run in read_effects(log_file)]
 
 
 # -- log events -------------------------------------------------------------------------

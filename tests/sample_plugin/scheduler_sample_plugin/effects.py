@@ -62,11 +62,10 @@ def _recorder(ctx: Any, kind: str) -> Recorder:
                     slot=ctx.slot.isoformat())  # fmt: skip
 
 
-async def probe_async(ctx: Any) -> None:
-    """An async target that works for $EFFECTS_SECONDS."""
-    record = _recorder(ctx, "async")
+async def _work(record: Recorder, seconds: float) -> None:
+    """Beat for `seconds` on the event loop; a cancellation ends the run, recorded."""
     record.write("start")
-    deadline = time.monotonic() + _seconds("EFFECTS_SECONDS", 0.3)
+    deadline = time.monotonic() + seconds
     try:
         while time.monotonic() < deadline:
             await asyncio.sleep(BEAT)
@@ -75,6 +74,11 @@ async def probe_async(ctx: Any) -> None:
         record.write("cancelled")
         raise
     record.write("end")
+
+
+async def probe_async(ctx: Any) -> None:
+    """An async target that works for $EFFECTS_SECONDS."""
+    await _work(_recorder(ctx, "async"), _seconds("EFFECTS_SECONDS", 0.3))
 
 
 async def probe_async_stubborn(ctx: Any) -> None:
@@ -128,13 +132,4 @@ class EffectsPublisher:
     async def publish(self, tx: Any, rows: Sequence[Any]) -> None:
         record = Recorder("publish", "publisher", self.instance, tx.fencing_token,
                           ids=[row.id for row in rows])  # fmt: skip
-        record.write("start")
-        deadline = time.monotonic() + _seconds("EFFECTS_PUBLISH_SECONDS", 0.05)
-        try:
-            while time.monotonic() < deadline:
-                await asyncio.sleep(BEAT)
-                record.write("beat")
-        except asyncio.CancelledError:
-            record.write("cancelled")
-            raise
-        record.write("end")
+        await _work(record, _seconds("EFFECTS_PUBLISH_SECONDS", 0.05))
