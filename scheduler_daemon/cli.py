@@ -21,7 +21,6 @@ import click
 from . import __version__
 from .client import Client
 from .config import LogSettings, Settings, load_settings, parse_duration
-from .daemon import Daemon
 from .db import Publication
 from .db.connect import connect
 from .errors import EXIT_SOFTWARE, InvalidInput, NotFound, SchedulerError
@@ -91,6 +90,10 @@ def cli() -> None:
 @handles_errors
 def run(config_file: Path | None, only: str | None) -> None:
     """Run the daemon until SIGTERM/SIGINT (migrates first)."""
+    # Imported here: the daemon's machinery (HTTP server, loops, worker processes) costs a
+    # third of a second to import, which every other, short-lived command would pay.
+    from .daemon import Daemon
+
     settings = _settings(config_file, quiet=False)
     log = get_logger(instance=settings.instance_id)
 

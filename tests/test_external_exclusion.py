@@ -325,7 +325,7 @@ def test_sql_that_drops_the_lock_cannot_end_the_fence(
     second = daemons.start(replica_env(pg_url, "u2", log, tasks, 0.2), PLUGIN_ONLY, "u2")
     second.wait_for_log("leader.waiting", loop="plugin")
     first.wait_for_log("leader.lock_restored", loop="plugin")
-    time.sleep(4.0)
+    time.sleep(2.5)
     acquired = [e for e in second.log_events() if e.get("event") == "leader.acquired"]
     lost = [e for e in first.log_events() if e.get("event") == "leader.lost"]
     stop_all([first, second])
@@ -362,7 +362,7 @@ def test_sql_that_drops_the_lock_and_then_rolls_back_cannot_end_the_fence(
     second = daemons.start(replica_env(pg_url, "v2", log, tasks, 0.2), PLUGIN_ONLY, "v2")
     second.wait_for_log("leader.waiting", loop="plugin")
     first.wait_for_log("leader.lock_restored", loop="plugin")
-    time.sleep(3.0)
+    time.sleep(2.0)
     acquired = [e for e in second.log_events() if e.get("event") == "leader.acquired"]
     stop_all([first, second])
     assert acquired == [], acquired
@@ -455,7 +455,7 @@ def test_transaction_mode_runs_python_work_on_one_replica_at_a_time(
     victim = next(p for p in replicas if p.name == read_effects(log)[-1].instance)
     mid_run(log, victim.name, {"async"} if read_effects(log)[-1].kind == "async" else {"sync"})
     victim.kill()
-    time.sleep(3.0)
+    time.sleep(2.0)
     survivors = [p for p in replicas if p is not victim]
     stop_all(survivors)
     summary = check_effects(read_effects(log), min_runs=15, min_instances=2)
@@ -500,7 +500,7 @@ def test_transaction_mode_a_long_sql_task_delays_others_without_failing_them(
     failures and a result never recorded in 16 s. The short task now waits for the lock
     like everything else: it misfires (one catch-up run) and never fails."""
     tasks = [
-        {"name": "long", "every": "4s", "timeout": "10s", "sql": "SELECT pg_sleep(2)"},
+        {"name": "long", "every": "3s", "timeout": "10s", "sql": "SELECT pg_sleep(1.5)"},
         {"name": "short", "every": "0.5s", "sql": "SELECT 1"},
     ]
     env = {

@@ -504,9 +504,9 @@ def test_transaction_mode_behind_pgbouncer_excludes(
         for n in ("b1", "b2")
     ]
     first_leader(replicas)
-    time.sleep(6)
+    time.sleep(4)
     stop_all(replicas)
-    summary = assert_no_overlap(run_sync(pg_ticks(pg_url)), min_ticks=15, min_instances=2)
+    summary = assert_no_overlap(run_sync(pg_ticks(pg_url)), min_ticks=12, min_instances=2)
     print(f"\nPgBouncer transaction pooling, 2 replicas: ticks per instance {summary['plugin']}")
     # And it worked cleanly, not merely without overlap: no database errors on the way.
     troubles = {"task.failed", "tick.failed", "loop.db_error", "task.result_not_recorded"}

@@ -529,7 +529,7 @@ async def test_transaction_mode_posts_each_attempt_once_cluster_wide(
 
 
 @pytest.mark.postgres
-@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("replicas", [3])
 async def test_transaction_mode_delivers_each_publication_once(
     daemons: Daemons, pg_url: str, hook_server: Serve, replicas: int
 ) -> None:
