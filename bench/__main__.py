@@ -1,3 +1,6 @@
-from bench.publish import main
+"""`make bench`: every benchmark, each writing its results under bench/results/."""
 
-main()
+from bench import publish, worker_overhead
+
+publish.main()
+worker_overhead.main(["--write"])

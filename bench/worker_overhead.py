@@ -195,11 +195,11 @@ def measure_here(runs: int) -> None:
     print(json.dumps(asyncio.run(measure(runs))))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.worker_overhead")
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--write", action="store_true", help="also write bench/results/")
-    arguments = parser.parse_args()
+    arguments = parser.parse_args(argv)
     # Measured in a fresh interpreter started with -c, not in this one: started as
     # `python -m bench.worker_overhead`, every worker would first re-run this module as
     # its __main__ (multiprocessing's main-module fixup; ~9 ms a run here). The daemon's
