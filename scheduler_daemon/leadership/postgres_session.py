@@ -197,7 +197,8 @@ class SessionGuard(GuardBase[PostgresStore]):
         server (an operator's ``pg_terminate_backend``, say): then it learns so from its
         socket at about the moment we were granted the lock, and stops its work (or exits)
         within ``stop_grace`` and a little. Wait for whichever comes first: none of its
-        sessions left, or that bound (``settle_time``). A frozen predecessor is the one case this cannot cover (docs/leadership.md).
+        sessions left, or that bound (``settle_time``). A frozen predecessor is the one
+        case this cannot cover (docs/leadership.md).
         """
         me = (self.settings.instance_id, os.getpid())
         if predecessor is None or (predecessor["instance"], predecessor["pid"]) == me:
