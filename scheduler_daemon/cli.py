@@ -25,9 +25,6 @@ from .db import Publication
 from .db.connect import connect
 from .errors import EXIT_SOFTWARE, InvalidInput, NotFound, SchedulerError
 from .logs import configure_logging, get_logger
-from .plugins.builtin import builtin_tasks
-from .plugins.tasks import load_tasks
-from .publishers import build_publishers
 from .signals import stop_on_signals
 from .status import collect_status, render_status
 
@@ -91,7 +88,7 @@ def cli() -> None:
 def run(config_file: Path | None, only: str | None) -> None:
     """Run the daemon until SIGTERM/SIGINT (migrates first)."""
     # Imported here: the daemon's machinery (HTTP server, loops, worker processes) costs a
-    # third of a second to import, which every other, short-lived command would pay.
+    # few tenths of a second to import, which every short-lived command would pay.
     from .daemon import Daemon
 
     settings = _settings(config_file, quiet=False)
@@ -141,6 +138,12 @@ def migrate(config_file: Path | None) -> None:
 @handles_errors
 def check_config(config_file: Path | None) -> None:
     """Validate and print the effective config (secrets redacted); exit 78 if invalid."""
+    # Imported here, like the daemon in `run`: publishers bring in aiohttp, plugin tasks
+    # their targets, which the short-lived commands (status, schedule, tasks) never need.
+    from .plugins.builtin import builtin_tasks
+    from .plugins.tasks import load_tasks
+    from .publishers import build_publishers
+
     settings = load_settings(config_file)
     tasks = load_tasks(settings, builtin_tasks(settings))  # imports targets: exit 78 if broken
     build_publishers(settings, settings.database_url.backend)

@@ -513,7 +513,9 @@ def test_sqlite_three_processes_never_overlap_outside_the_database(
 # -- Python publishers --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["session", "transaction"])
+@pytest.mark.parametrize(
+    "mode", ["session", pytest.param("transaction", marks=pytest.mark.chaos_long)]
+)
 def test_python_publishers_never_run_on_two_replicas_at_once(
     pg_url: str, daemons: Daemons, tmp_path: Path, mode: str
 ) -> None:

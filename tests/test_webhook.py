@@ -489,7 +489,7 @@ async def seconds_until_due(url: str) -> float:
 
 
 @pytest.mark.postgres
-@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("replicas", [2, pytest.param(3, marks=pytest.mark.chaos_long)])
 async def test_transaction_mode_posts_each_attempt_once_cluster_wide(
     daemons: Daemons, pg_url: str, hook_server: Serve, replicas: int
 ) -> None:
