@@ -360,7 +360,9 @@ def test_sql_that_drops_the_lock_cannot_end_the_fence(
     check_effects(read_effects(log), min_runs=5)
 
 
-@pytest.mark.parametrize("mode", ["session", "transaction"])
+@pytest.mark.parametrize(
+    "mode", [pytest.param("session", marks=pytest.mark.chaos_long), "transaction"]
+)
 def test_a_run_that_swallows_cancellation_ends_its_process_not_the_exclusion(
     pg_url: str, daemons: Daemons, tmp_path: Path, mode: str
 ) -> None:
