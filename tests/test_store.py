@@ -23,8 +23,7 @@ async def client(database_url: str) -> AsyncIterator[Client]:
 def test_both_backends_define_the_same_queries() -> None:
     # Only PostgreSQL has a lock manager to ask (pg_locks) and LISTEN/NOTIFY.
     postgres_only = {
-        "leader_touch", "fence_begin", "fence_restore", "lock_held_here",
-        "lock_waiting", "lock_held_by", "leader_predecessor", "instance_sessions", "evict_stalled", "lock_sessions", "notify_published",
+        "leader_touch", "fence_begin", "fence_restore", "lock_entry", "leader_predecessor", "instance_sessions", "evict_stalled", "lock_sessions", "notify_published",
     }  # fmt: skip
     assert set(queries("postgres")) - postgres_only == set(queries("sqlite"))
 

@@ -127,32 +127,15 @@ FROM (SELECT EXISTS (
 SELECT u.held FROM (SELECT pg_advisory_unlock($1) AS held) u,
 LATERAL (SELECT pg_advisory_lock($1) WHERE u.held IS NOT NULL) l
 
--- name: lock_held_here
--- Whether this session holds the key (after SQL ended a fenced transaction early).
-SELECT EXISTS (
-    SELECT 1 FROM pg_locks
-    WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid() AND objsubid = 1
-      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-      AND classid = (($1::bigint >> 32) & 4294967295)::oid
-      AND objid = ($1::bigint & 4294967295)::oid)
-
--- name: lock_held_by
--- Transaction mode's hold heartbeat, through the pool: backend $2 still holds key $1.
-SELECT EXISTS (
-    SELECT 1 FROM pg_locks
-    WHERE locktype = 'advisory' AND granted AND pid = $2 AND objsubid = 1
-      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-      AND classid = (($1::bigint >> 32) & 4294967295)::oid
-      AND objid = ($1::bigint & 4294967295)::oid)
-
--- name: lock_waiting
--- Transaction mode hand-over: whether backend $2 is queued for key $1.
-SELECT EXISTS (
-    SELECT 1 FROM pg_locks
-    WHERE locktype = 'advisory' AND NOT granted AND pid = $2 AND objsubid = 1
-      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-      AND classid = (($1::bigint >> 32) & 4294967295)::oid
-      AND objid = ($1::bigint & 4294967295)::oid)
+-- name: lock_entry
+-- Backend $2's entry for key $1 in the lock manager: true (it holds the lock), false (it
+-- waits for it), NULL (neither). The session fence after SQL ended its transaction early,
+-- a transaction-mode hold's heartbeat (through the pool) and its hand-over ask this.
+SELECT granted FROM pg_locks
+WHERE locktype = 'advisory' AND pid = $2 AND objsubid = 1
+  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND classid = (($1::bigint >> 32) & 4294967295)::oid
+  AND objid = ($1::bigint & 4294967295)::oid
 
 -- name: evict_stalled
 -- Terminate the backend holding a loop's lock when its leader has gone silent: its

@@ -25,8 +25,8 @@ import asyncio
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Awaitable, Callable, Coroutine
+from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
@@ -211,7 +211,13 @@ class LeaseState:
     """Loss signalling, the work a leadership started, and stopping it: common to every
     lease."""
 
-    def __init__(self, fencing_token: int, settings: Settings, log: Logger) -> None:
+    def __init__(
+        self,
+        fencing_token: int,
+        settings: Settings,
+        log: Logger,
+        on_lost: Callable[[str, bool], None] | None = None,
+    ) -> None:
         self.lost = asyncio.Event()
         self.gone = asyncio.Event()
         self.reason: str | None = None
@@ -219,6 +225,7 @@ class LeaseState:
         self.settings = settings
         self.log = log
         self.last_proven = time.monotonic()
+        self._on_lost = on_lost  # the guard's report (log line, metric), once
         self._work: set[asyncio.Task[Any]] = set()
 
     def lose(self, reason: str, *, gone: bool) -> bool:
@@ -233,6 +240,8 @@ class LeaseState:
         self.lost.set()
         for task in self._work:
             task.cancel()
+        if self._on_lost is not None:
+            self._on_lost(reason, gone)
         return True
 
     def fresh(self) -> bool:
@@ -275,12 +284,8 @@ class LeaseState:
     def transaction(self) -> AbstractAsyncContextManager[Tx]:
         raise NotImplementedError  # each guard's lease fences its own way
 
-    @asynccontextmanager
-    async def hold(self) -> AsyncIterator[Lease]:
-        # A sticky lease holds the lock continuously: nothing to take.
-        if self.lost.is_set():
-            raise LeadershipLost(self.reason or "lost")
-        yield self
+    def hold(self) -> AbstractAsyncContextManager[Lease]:
+        return _AlreadyHeld(self)
 
     async def hold_after(self, tx: Tx) -> PendingHold:
         return _AlreadyHeld(self)
@@ -332,11 +337,10 @@ def _discard_outcome(task: asyncio.Future[Any]) -> None:
 async def heartbeat(
     lease: LeaseState,
     prove: Callable[[], Awaitable[bool]],
-    lose: Callable[[str, bool], None],
     on_failure: Callable[[], None] = lambda: None,
 ) -> None:
-    """Prove the lock every ``heartbeat_interval`` until a proof fails; then call
-    ``lose(reason, gone)`` and return.
+    """Prove the lock every ``heartbeat_interval`` until a proof fails; then lose the
+    lease and return.
 
     ``prove()`` answers whether the database still sees us holding the lock. A proof that
     does not answer within one interval counts as failed: that is how a silently cut
@@ -349,7 +353,7 @@ async def heartbeat(
         await asyncio.sleep(interval)
         silent_for = time.monotonic() - lease.last_proven
         if silent_for > lease.settings.lock.step_down_after:
-            lose(f"heartbeat {silent_for:.1f}s late (process stalled)", True)
+            lease.lose(f"heartbeat {silent_for:.1f}s late (process stalled)", gone=True)
             return
         # Not `asyncio.timeout` around the queries: on a silently dead socket asyncpg's
         # pool cannot finish cancelling a query (releasing the connection waits for the
@@ -364,14 +368,14 @@ async def heartbeat(
                 proof.add_done_callback(_discard_outcome)
         if not proof.done():
             on_failure()
-            lose(f"heartbeat failed: no answer within {interval:g}s", False)
+            lease.lose(f"heartbeat failed: no answer within {interval:g}s", gone=False)
             return
         if (exc := proof.exception()) is not None:
             on_failure()
-            lose(f"heartbeat failed: {describe(exc)}", False)
+            lease.lose(f"heartbeat failed: {describe(exc)}", gone=False)
             return
         if not proof.result():
-            lose("lock no longer held (evicted or session ended)", True)
+            lease.lose("lock no longer held (evicted or session ended)", gone=True)
             return
         lease.last_proven = time.monotonic()
 

@@ -61,8 +61,9 @@ class SessionLease(LeaseState):
         fencing_token: int,
         settings: Settings,
         log: Logger,
+        on_lost: Callable[[str, bool], None],
     ) -> None:
-        super().__init__(fencing_token, settings, log)
+        super().__init__(fencing_token, settings, log, on_lost)
         self.conn = conn
         self.key = key
         self.backend_pid = backend_pid
@@ -108,7 +109,7 @@ class SessionLease(LeaseState):
                         )
                 # SQL ended the transaction (COMMIT): without the transaction-level hold
                 # only the session lock is left to tell. Do not touch it; look.
-                elif not await self.conn.fetchval(Q["lock_held_here"], self.key):
+                elif not await self.conn.fetchval(Q["lock_entry"], self.key, self.backend_pid):
                     self._fence_broken("SQL in a fenced transaction ended it and the lock")
         except LeadershipLost:
             raise
@@ -116,8 +117,7 @@ class SessionLease(LeaseState):
             self._fence_broken(f"could not restore the fence: {describe(exc)}")
 
     def _fence_broken(self, reason: str) -> None:
-        if self.lose(reason, gone=True):
-            self.log.warning("leader.lost", reason=reason, lock_may_be_free=True)
+        self.lose(reason, gone=True)
         raise LeadershipLost(reason)
 
 
@@ -157,7 +157,14 @@ class SessionGuard(GuardBase[PostgresStore]):
             conn.terminate()
             raise
         lease = SessionLease(
-            conn, self.key, row["backend_pid"], row["acquired_at"], token, self.settings, self.log
+            conn,
+            self.key,
+            row["backend_pid"],
+            row["acquired_at"],
+            token,
+            self.settings,
+            self.log,
+            self._report_lost,
         )
         on_closed = self._on_closed(lease)
         conn.add_termination_listener(on_closed)
@@ -170,10 +177,7 @@ class SessionGuard(GuardBase[PostgresStore]):
             fencing_token=token, **settled,
         )  # fmt: skip
         beat = heartbeat(
-            lease,
-            lambda: self._prove(lease),
-            lambda reason, gone: self._lose(lease, reason, gone),
-            self.metrics.heartbeat_failures.labels(self.loop).inc,
+            lease, lambda: self._prove(lease), self.metrics.heartbeat_failures.labels(self.loop).inc
         )
         beating = asyncio.create_task(beat, name=f"heartbeat:{self.loop}")
         clean_exit = False
@@ -223,7 +227,7 @@ class SessionGuard(GuardBase[PostgresStore]):
     def _on_closed(self, lease: SessionLease) -> Callable[[Any], None]:
         def closed(_conn: Any) -> None:
             # The session is over, so is the lock: a standby may be granted it right now.
-            self._lose(lease, "lock connection closed", gone=True)
+            lease.lose("lock connection closed", gone=True)
 
         return closed
 
@@ -279,10 +283,10 @@ class SessionGuard(GuardBase[PostgresStore]):
                 await lease.conn.fetchval("SELECT 1")
         return True
 
-    def _lose(self, lease: SessionLease, reason: str, gone: bool) -> None:
-        if lease.lose(reason, gone=gone):
-            self.metrics.leadership_changes.labels(self.loop, "lost").inc()
-            self.log.warning("leader.lost", reason=reason, lock_may_be_free=gone)
+    def _report_lost(self, reason: str, gone: bool) -> None:
+        """The lease's loss, reported once, whatever noticed it."""
+        self.metrics.leadership_changes.labels(self.loop, "lost").inc()
+        self.log.warning("leader.lost", reason=reason, lock_may_be_free=gone)
 
     async def _release(self, lease: SessionLease, graceful: bool) -> None:
         if graceful:

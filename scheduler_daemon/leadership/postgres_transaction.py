@@ -149,9 +149,7 @@ class TransactionLease(LeaseState):
     async def transaction(self) -> AsyncIterator[PgTx]:
         async with self.guard.store.pool.acquire() as conn, conn.transaction():
             await self.guard.begin(conn)
-            token = await self.guard.compete(conn)
-            self.fencing_token = token
-            yield PgTx(conn, token)
+            yield PgTx(conn, await self.guard.compete(conn))
 
     @asynccontextmanager
     async def hold(self) -> AsyncIterator[Lease]:
@@ -177,7 +175,7 @@ class TransactionHold(LeaseState):
     """
 
     def __init__(self, guard: TransactionGuard, parent: LeaseState) -> None:
-        super().__init__(0, guard.settings, guard.log)
+        super().__init__(0, guard.settings, guard.log, self._report_lost)
         self.guard = guard
         self.parent = parent
         self.conn_lock = asyncio.Lock()
@@ -221,7 +219,9 @@ class TransactionHold(LeaseState):
                 conn.execute("SELECT pg_advisory_xact_lock($1)", self.guard.key)
             )
             deadline = time.monotonic() + HANDOVER_QUEUE_TIMEOUT
-            while not await tx.conn.fetchval(Q["lock_waiting"], self.guard.key, self._backend):
+            while (
+                await tx.conn.fetchval(Q["lock_entry"], self.guard.key, self._backend) is not False
+            ):
                 if self._granted.done():
                     self._granted.result()  # an error; the lock cannot be granted meanwhile
                 if time.monotonic() > deadline:
@@ -254,7 +254,7 @@ class TransactionHold(LeaseState):
             self._conn.add_termination_listener(self._on_closed)
             if self._conn.is_closed():  # closed before the listener was there to hear it
                 self._closed(self._conn)
-            beat = heartbeat(self, self._prove, self._lose)
+            beat = heartbeat(self, self._prove)
             self._heartbeat = asyncio.create_task(beat, name="hold:heartbeat")
         except BaseException:
             await self.discard()
@@ -283,9 +283,6 @@ class TransactionHold(LeaseState):
         super().adopt(task)
         self.parent.adopt(task)
 
-    def _lose(self, reason: str, gone: bool) -> None:
-        self.lose(reason, gone=gone)
-
     def _usable(self) -> bool:
         """Whether the hold's connection is still ours to use. When the connection closes,
         asyncpg's pool takes it back by itself and detaches the proxy we hold, whose every
@@ -305,11 +302,8 @@ class TransactionHold(LeaseState):
     def _closed(self, _conn: Any) -> None:
         self.lose("hold connection closed", gone=True)
 
-    def lose(self, reason: str, *, gone: bool) -> bool:
-        first = super().lose(reason, gone=gone)
-        if first:
-            self.guard.log.warning("hold.lost", reason=reason, lock_may_be_free=gone)
-        return first
+    def _report_lost(self, reason: str, gone: bool) -> None:
+        self.guard.log.warning("hold.lost", reason=reason, lock_may_be_free=gone)
 
     async def _prove(self) -> bool:
         """Through the pool, like the session heartbeat: the lock manager still shows our
@@ -317,7 +311,7 @@ class TransactionHold(LeaseState):
         busy. Then, if it is free, a ping on the hold's own connection, which also keeps
         the held transaction from ever sitting idle past the server's timeout."""
         pool = self.guard.store.pool
-        if not await pool.fetchval(Q["lock_held_by"], self.guard.key, self._backend):
+        if not await pool.fetchval(Q["lock_entry"], self.guard.key, self._backend):
             return False
         if not self.conn_lock.locked():
             async with self.conn_lock:

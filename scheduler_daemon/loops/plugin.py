@@ -71,8 +71,8 @@ class PluginWork:
         self.sticky = sticky  # a lease lasts until lost (session mode, SQLite)
         # In-flight runs by task name (a claimed run counts from its claim on).
         self.running: dict[str, asyncio.Task[Any]] = {}
-        self._batches: set[asyncio.Task[None]] = set()  # one per tick that claimed runs
-        self._run_ids: set[int] = set()  # their rows in scheduler_plugin_runs
+        # One task per tick that claimed runs, with their rows in scheduler_plugin_runs.
+        self._batches: dict[asyncio.Task[None], list[int]] = {}
         self.wake: Callable[[], None] = lambda: None  # the runner sets its own
         self._lease: Lease | None = None
 
@@ -126,8 +126,7 @@ class PluginWork:
 
     async def _take_over(self, tx: Tx, now: datetime, log: Logger) -> None:
         """First tick of a leadership: bring task rows in line with the configuration,
-        keeping every known task's next_run_at (a restart must not reschedule), and mark
-        the runs its predecessor left behind."""
+        keeping every known task's next_run_at (a restart must not reschedule)."""
         existing = {row["name"]: row for row in await tx.fetch("task_states")}
         for spec in self.tasks.values():
             schedule = spec.schedule.describe()
@@ -143,7 +142,8 @@ class PluginWork:
         await tx.fetch("tasks_deactivate_others", list(self.tasks))
 
     async def _abandon(self, tx: Tx, log: Logger) -> None:
-        rows = await tx.fetch("runs_abandon_all", ABANDONED, sorted(self._run_ids))
+        ours = sorted(run_id for run_ids in self._batches.values() for run_id in run_ids)
+        rows = await tx.fetch("runs_abandon_all", ABANDONED, ours)
         for row in rows:
             self.metrics.plugin_runs.labels(row["name"], "abandoned").inc()
             log.warning(
@@ -242,15 +242,8 @@ class PluginWork:
         log: Logger,
     ) -> None:
         batch = lease.spawn(self._run_batch(hold, claims, log), name="plugin:batch")
-        self._batches.add(batch)
-        run_ids = {claim.run_id for claim in claims}
-        self._run_ids |= run_ids
-
-        def ended(task: asyncio.Task[None]) -> None:
-            self._batches.discard(task)
-            self._run_ids -= run_ids
-
-        batch.add_done_callback(ended)
+        self._batches[batch] = [claim.run_id for claim in claims]
+        batch.add_done_callback(self._batches.pop)
         for claim in claims:  # its places are taken from now on
             self._track(claim.spec.name, batch)
 
