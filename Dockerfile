@@ -17,13 +17,28 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 # Only what the wheel is built from: a change to tests or docs does not rebuild it.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY scheduler_daemon ./scheduler_daemon
+# Every dependency at the version constraints.txt pins, so a rebuild next month ships
+# what was tested. pip and setuptools leave the venv once it is filled: the runtime never
+# installs anything.
 RUN python -m pip wheel --no-deps --wheel-dir /wheels . \
     && python -m venv /opt/venv \
-    && /opt/venv/bin/pip install --no-cache-dir --only-binary=:all: /wheels/*.whl
+    && /opt/venv/bin/pip install --no-cache-dir --only-binary=:all: \
+       --constraint constraints.txt /wheels/*.whl \
+    && /opt/venv/bin/pip uninstall --yes pip setuptools \
+    && rm -f /opt/venv/lib/python3*/site-packages/distutils-precedence.pth
 
 FROM ${PYTHON_IMAGE}
+# The base image's own pip, setuptools and wheel are dead weight here (and tools an
+# intruder would like). Removed by path: a distribution's Python (Debian's) refuses to
+# let pip uninstall what its package manager installed.
+RUN python3 -c "import importlib.util as u, pathlib, shutil, sys; \
+[shutil.rmtree(p) for d in sys.path if d and pathlib.Path(d).is_dir() \
+ for p in pathlib.Path(d).iterdir() if p.is_dir() and p.name.split('-')[0] in \
+ ('pip', 'setuptools', 'wheel', 'pkg_resources', '_distutils_hack')]" \
+    && rm -f /usr/local/bin/pip* /usr/bin/pip* \
+    && ! python3 -c "import pip" 2>/dev/null
 # A fixed uid, so volume ownership and Kubernetes' runAsNonRoot checks are predictable.
 RUN groupadd --system --gid 10001 scheduler \
     && useradd --system --uid 10001 --gid scheduler --no-create-home \
@@ -41,9 +56,10 @@ WORKDIR /var/lib/scheduler-daemon
 USER 10001:10001
 # /healthz, /readyz, /metrics, /status
 EXPOSE 9464
-# /healthz answers while the event loop does; slim has no curl, so ask Python.
+# /healthz answers while the event loop does. `healthcheck` reads the same configuration
+# as `run`, so it follows a changed http.host/http.port, and passes with http disabled.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=90s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('SCHEDULER_HTTP__PORT', '9464'), timeout=4)"]
+    CMD ["scheduler-daemon", "healthcheck"]
 # SIGTERM starts the graceful handover; give it more than shutdown_timeout (30s), e.g.
 # `docker stop -t 45` or compose's stop_grace_period.
 STOPSIGNAL SIGTERM

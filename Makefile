@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck pytest chaos bench clean
+.PHONY: run test lint typecheck pytest chaos bench constraints clean
 
 $(STAMP): pyproject.toml tests/sample_plugin/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,15 @@ chaos: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+# The image's pinned dependencies: resolve the runtime dependencies alone in a throwaway venv.
+constraints:
+	rm -rf $(VENV)-constraints && $(PYTHON) -m venv $(VENV)-constraints
+	$(VENV)-constraints/bin/pip install --quiet --only-binary=:all: .
+	{ sed -n '/^#/p' constraints.txt; \
+	  $(VENV)-constraints/bin/pip freeze --all --exclude scheduler-daemon \
+	    | grep -v -e '^pip==' -e '^setuptools==' -e '^wheel=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt && rm -rf $(VENV)-constraints
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

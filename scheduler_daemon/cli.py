@@ -135,9 +135,19 @@ def migrate(config_file: Path | None) -> None:
 
 @cli.command("check-config")
 @config_option
+@click.option(
+    "--connect",
+    "and_connect",
+    is_flag=True,
+    help="Also log in to the database: exit 78 if it refuses the login, 69 if unreachable.",
+)
 @handles_errors
-def check_config(config_file: Path | None) -> None:
-    """Validate and print the effective config (secrets redacted); exit 78 if invalid."""
+def check_config(config_file: Path | None, and_connect: bool) -> None:
+    """Validate and print the effective config (secrets redacted); exit 78 if invalid.
+
+    With --connect this is a preflight for a supervisor that cannot be told "do not
+    restart on 78" (Docker Compose): run it once, and start replicas only if it passed.
+    """
     # Imported here, like the daemon in `run`: publishers bring in aiohttp, plugin tasks
     # their targets, which the short-lived commands (status, schedule, tasks) never need.
     from .plugins.builtin import builtin_tasks
@@ -152,6 +162,18 @@ def check_config(config_file: Path | None) -> None:
         {"name": t.name, "schedule": t.schedule.describe(), "source": t.source} for t in tasks
     ]
     click.echo(json.dumps(report, indent=2))
+    if and_connect:
+
+        async def main() -> int | None:
+            configure_logging(LogSettings(format=settings.log.format, level="warning"))
+            store = await connect(settings, get_logger(instance=settings.instance_id))
+            try:
+                return await store.schema_version()
+            finally:
+                await store.close()
+
+        version = _run(main())
+        click.echo(f"database login ok, schema version {version}", err=True)
 
 
 def parse_when(text: str, now: datetime | None = None) -> datetime:
@@ -239,6 +261,41 @@ def status(config_file: Path | None, as_json: bool) -> None:
 
     report = _run(main())
     click.echo(json.dumps(report, indent=2) if as_json else render_status(report))
+
+
+@cli.command()
+@config_option
+@click.option("--timeout", default=4.0, show_default=True, help="Seconds to wait for /healthz.")
+@handles_errors
+def healthcheck(config_file: Path | None, timeout: float) -> None:
+    """Ask this host's daemon for /healthz (the image's HEALTHCHECK); exit 0 if it answers.
+
+    Reads the same configuration as `run`, so a changed `http.host`/`http.port` is
+    followed; with `http.enabled = false` there is no endpoint and the check passes.
+    """
+    settings = _settings(config_file)
+    if not settings.http.enabled:
+        click.echo("http.enabled is false: no endpoint to probe")
+        return
+    url = f"http://{_local_address(settings.http.host)}:{settings.http.port}/healthz"
+    # urllib, not aiohttp: this runs every few seconds and should cost a few tenths at most.
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            click.echo(f"{url}: {response.status}")
+    except (OSError, ValueError) as exc:
+        click.echo(f"scheduler-daemon: {url}: {exc}", err=True)
+        sys.exit(1)
+
+
+def _local_address(host: str) -> str:
+    """Where a process on this host reaches a server bound to ``host``."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
 
 
 @cli.group()

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.metrics import MetricWrapperBase
-from rig.plugin import ci_is_set
-from rig.processes import Daemons, run_cli
+from rig.metricnames import daemon_metrics, exposed_name
+from rig.processes import CLI, Daemons, run_cli
+from rig.tools import find_tool
 
 from scheduler_daemon.config import Settings, parse_duration
 from scheduler_daemon.daemon import EXIT_FORCED
@@ -51,21 +51,6 @@ K8S = ROOT / "deploy" / "kubernetes" / "deployment.yaml"
 DOCS = ROOT / "docs" / "operations.md"
 
 DEFAULT_SHUTDOWN_TIMEOUT = Settings.model_fields["shutdown_timeout"].default
-
-
-def find_tool(name: str, installed_by: str) -> str:
-    """A tool from the venv (the dev extra installs it) or PATH.
-
-    Missing, the test skips, except under CI, where the dev extra must have installed it.
-    """
-    beside = Path(sys.executable).parent / name
-    found = str(beside) if beside.exists() else shutil.which(name)
-    if found is None:
-        message = f"{name} not found (installed by {installed_by})"
-        if ci_is_set():
-            pytest.fail(message)
-        pytest.skip(message)
-    return found
 
 
 def clean_tool_env(tmp_path: Path) -> dict[str, str]:
@@ -223,7 +208,7 @@ def test_dockerfile_contract() -> None:
     env = final.env()
     assert env["SCHEDULER_HTTP__HOST"] == "0.0.0.0"
     assert "9464" in final.last("EXPOSE").split()
-    assert "/healthz" in final.last("HEALTHCHECK")
+    assert healthcheck_command() == ["scheduler-daemon", "healthcheck"]
     # The final stage installs nothing: it copies the builder's venv.
     runs = " ".join(final.all("RUN"))
     for tool in ("apt-get", "pip ", "gcc", "build-essential"):
@@ -269,16 +254,17 @@ def healthcheck_command() -> list[str]:
 
 
 async def test_the_image_healthcheck_command_probes_healthz(
-    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    """The HEALTHCHECK's command follows the configured port, and passes with HTTP off."""
     command = healthcheck_command()
-    assert command[0] == "python"
-    command[0] = sys.executable  # the image's python is on PATH; ours is this one
+    assert command[0] == "scheduler-daemon"
+    command[:1] = CLI  # the image's entry point; ours runs from this venv
 
-    async def run(port: int) -> int:
-        env = {**os.environ, "SCHEDULER_HTTP__PORT": str(port)}
+    async def run(**settings: str) -> int:
+        env = {**os.environ, **settings}
         process = await asyncio.create_subprocess_exec(
-            *command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            *command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         return await asyncio.wait_for(process.wait(), 30)
 
@@ -289,11 +275,13 @@ async def test_the_image_healthcheck_command_probes_healthz(
     store = await open_store(settings)
     try:
         async with HttpServer(settings, store, Metrics(), get_logger()) as server:
-            port = server.port
-            assert await run(port) == 0
+            port = str(server.port)
+            assert await run(SCHEDULER_HTTP__PORT=port) == 0
+            assert await run(SCHEDULER_HTTP__PORT=port, SCHEDULER_HTTP__HOST="0.0.0.0") == 0
     finally:
         await store.close()
-    assert await run(port) != 0  # nothing listens there any more
+    assert await run(SCHEDULER_HTTP__PORT=port) != 0  # nothing listens there any more
+    assert await run(SCHEDULER_HTTP__PORT=port, SCHEDULER_HTTP__ENABLED="false") == 0
 
 
 # -- Docker Compose -----------------------------------------------------------------------
@@ -345,6 +333,13 @@ def test_compose_file_is_valid_and_scalable(tmp_path: Path) -> None:
     }
     assert not scheduler.get("volumes")
     assert not scheduler.get("env_file")
+    # Compose cannot exempt exit 78 from restarts: a one-shot preflight with the same
+    # environment checks config and login, and replicas start only if it passed.
+    preflight = config["services"]["preflight"]
+    assert scheduler["depends_on"]["preflight"]["condition"] == "service_completed_successfully"
+    assert preflight["command"] == ["check-config", "--connect"]
+    assert preflight["environment"] == scheduler["environment"]
+    assert preflight["restart"] == "no"
 
 
 def test_compose_validation_rejects_a_broken_file(tmp_path: Path) -> None:
@@ -441,14 +436,8 @@ def documented(name: str) -> str | None:
     return None
 
 
-def exposed_name(metric: MetricWrapperBase) -> str:
-    [family] = metric.describe()
-    suffix = {"counter": "_total", "info": "_info"}.get(family.type, "")
-    return family.name + suffix
-
-
 def test_every_metric_is_documented_with_its_labels() -> None:
-    metrics = [m for m in vars(Metrics()).values() if isinstance(m, MetricWrapperBase)]
+    metrics = daemon_metrics()
     assert len(metrics) >= 10
     for metric in metrics:
         name = exposed_name(metric)

@@ -184,7 +184,10 @@ class PostgresStore:
         return applied
 
     async def schema_version(self) -> int | None:
-        version: int | None = await self.pool.fetchval(Q["schema_version"])
+        try:
+            version: int | None = await self.pool.fetchval(Q["schema_version"])
+        except asyncpg.UndefinedTableError:  # never migrated
+            return None
         return version
 
     async def schedule(
