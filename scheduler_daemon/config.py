@@ -405,6 +405,9 @@ class HttpSettings(Section):
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = Field(default=9464, ge=0, le=65535)
+    # /status shows a summary safe for the network unless the operator opts in to the full
+    # report (database URL without password, host names, pids, client addresses).
+    status_detail: bool = False
 
 
 class LogSettings(Section):

@@ -2,12 +2,16 @@
 
 Lifecycle (one AsyncExitStack owns every resource; each step registers its own cleanup):
 
-1. connect to the database, retrying within ``database.startup_budget`` (exit 69 after);
-2. migrate (serialised across replicas);
-3. start one owned task per enabled loop and wait until each has really started;
-4. run until a stop is requested, or until a loop task ends by itself — a bug, so the
+1. serve HTTP (a port clash exits 78 at once; ``/healthz`` answers while the rest starts,
+   ``/readyz`` says what startup is waiting for);
+2. connect to the database, retrying within ``database.startup_budget`` (exit 69 after;
+   exit 78 at once if it refuses the login);
+3. migrate (serialised across replicas);
+4. start one owned task per enabled loop and wait until each has really started; then
+   ``/readyz`` and ``/status`` answer from the database;
+5. run until a stop is requested, or until a loop task ends by itself — a bug, so the
    daemon exits non-zero and lets its supervisor restart it rather than limp on;
-5. stop: ask the loops to finish their tick, wait up to ``shutdown_timeout``, then cancel
+6. stop: ask the loops to finish their tick, wait up to ``shutdown_timeout``, then cancel
    what is left and wait for the cancellation to land; close the database.
 """
 
@@ -122,14 +126,21 @@ class Daemon:
             # First in, last out: the watchdog pings from startup (connecting may take
             # longer than WatchdogSec) until the very end of the shutdown.
             await stack.enter_async_context(self.notifier)
-            self.notifier.status("connecting to the database")
+            # Before the database: a port clash is a config error to report now, not after
+            # the startup budget, and liveness probes need answers while we wait.
+            await self._serve_http(stack)
+            self._starting("connecting to the database")
             store = await self._until_stopped(connect(self.settings, self.log))
             if store is None:
                 return EXIT_OK
             stack.push_async_callback(store.close)
+            if self.http is not None:
+                # Unwound just before store.close: no probe asks a closing store.
+                stack.callback(self.http.detach)
             # Before anything else talks to it: behind a transaction pooler even the
             # migration could fail in confusing ways.
             await self._refuse_unsafe_lock_mode(store)
+            self._starting("migrating")
             # The database may still be settling (a container's init restarts it once).
             applied = await within_startup_budget(
                 store.migrate, self.settings, self.log, failed_event="db.migrate_failed"
@@ -141,7 +152,7 @@ class Daemon:
                 version=await store.schema_version(),
             )
             self.metrics.database_up.set(1)
-            await self._serve_http(stack, store)
+            self._starting("starting the loops")
             await self._start_workers(stack)
 
             runners = {}
@@ -171,6 +182,8 @@ class Daemon:
             # Unwound before _stop_tasks: systemd hears STOPPING=1 as the stop begins.
             stack.callback(self.notifier.stopping)
             await asyncio.gather(*(runner.started.wait() for runner in runners.values()))
+            if self.http is not None:
+                self.http.attach(store)
             self.started.set()
             self.notifier.ready(self._status_line(list(runners)))
             self.notifier.watch_status(lambda: self._status_line(list(runners)), every=1.0)
@@ -179,13 +192,20 @@ class Daemon:
             )
             return await self._monitor(tasks)
 
-    async def _serve_http(self, stack: AsyncExitStack, store: db.Store) -> None:
+    async def _serve_http(self, stack: AsyncExitStack) -> None:
+        """Listen now; the store comes with :meth:`HttpServer.attach` once we are up."""
         if not self.settings.http.enabled:
             return
-        http = HttpServer(self.settings, store, self.metrics, self.log, self.stopping)
+        http = HttpServer(self.settings, None, self.metrics, self.log, self.stopping)
         await http.start()
         self.http = http
         stack.push_async_callback(http.stop)
+
+    def _starting(self, phase: str) -> None:
+        """What startup is doing, for systemd's STATUS= line and for ``/readyz``."""
+        self.notifier.status(phase)
+        if self.http is not None:
+            self.http.starting(phase)
 
     def _status_line(self, loops: list[LoopName]) -> str:
         """systemd's STATUS= line: which loops this replica leads, read off the gauge."""

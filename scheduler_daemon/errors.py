@@ -5,7 +5,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the database could not be reached in time
 EXIT_SOFTWARE = 70  # EX_SOFTWARE: a loop died, or work could not be stopped; restart us
-EXIT_CONFIG = 78  # EX_CONFIG: the configuration is invalid
+EXIT_CONFIG = 78  # EX_CONFIG: the configuration is invalid (or the database refused the login)
 
 
 class SchedulerError(Exception):
@@ -16,6 +16,12 @@ class SchedulerError(Exception):
 
 class ConfigError(SchedulerError):
     exit_code = EXIT_CONFIG
+
+
+class LoginRefused(ConfigError):
+    """The database answered and refused us: a wrong password, an unknown role or
+    database, no ``pg_hba.conf`` entry. Retrying cannot help until the configuration (or
+    the database's) changes, so it is a configuration error, not an unavailable database."""
 
 
 class DatabaseUnavailable(SchedulerError):

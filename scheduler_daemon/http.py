@@ -5,16 +5,25 @@ daemon's exit stack. Each connection is served by its own coroutine, so a slow o
 client costs one socket and one coroutine, never a tick: the handlers do small amounts of
 work and every database call they make is bounded by a timeout.
 
+The daemon starts the server before it connects to the database (a port clash is then
+reported at once, and liveness probes are answered while the database is awaited) and
+hands it the store with :meth:`HttpServer.attach` once the schema is migrated and the
+loops run. Until then the server is *starting*: it reports the startup phase
+(:meth:`HttpServer.starting`) instead of asking a database it does not have.
+
 - ``/healthz``: 200 whenever the event loop answers. Answering at all is the check: a
   blocked loop answers nothing, and the orchestrator restarts the process.
 - ``/readyz``: 200 when the database answers a trivial query within ``PROBE_TIMEOUT`` and
   the schema is at the newest migration this build knows; otherwise 503 with a JSON
-  reason. The same probe keeps ``scheduler_database_up`` current, and ``/metrics`` runs it
-  too, so the gauge is fresh at every scrape even where nothing polls ``/readyz``.
+  reason (``starting: connecting to the database`` while starting). The same probe keeps
+  ``scheduler_database_up`` current, and ``/metrics`` runs it too, so the gauge is fresh
+  at every scrape even where nothing polls ``/readyz``.
 - ``/metrics``: the daemon's own registry (never the process-global default one), in the
   format the scraper asks for.
-- ``/status``: ``collect_status()`` as JSON, the report ``scheduler-daemon status --json``
-  prints.
+- ``/status``: a summary of ``collect_status()`` that is safe to show the network (no
+  database URL, host names, pids or client addresses; see :func:`status.summarize`), plus
+  this replica's own instance id and roles. With ``http.status_detail`` the full report
+  that ``scheduler-daemon status --json`` prints, plus the same.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from .db.sqlfiles import migrations
 from .errors import ConfigError, describe
 from .logs import Logger
 from .metrics import Metrics
-from .status import collect_status
+from .status import collect_status, replica_status, summarize
 
 # A database that needs longer than this for `SELECT version` is not serving us.
 PROBE_TIMEOUT = 1.0
@@ -64,23 +73,47 @@ class Readiness:
 
 
 class HttpServer:
-    """Serve the operations endpoints until :meth:`stop` (or the ``async with`` ends)."""
+    """Serve the operations endpoints until :meth:`stop` (or the ``async with`` ends).
+
+    ``store`` may be None: the server is then *starting* until :meth:`attach` gives it
+    one, and answers readiness and status from the phase :meth:`starting` last named.
+    """
 
     def __init__(
         self,
         settings: Settings,
-        store: Store,
+        store: Store | None,
         metrics: Metrics,
         log: Logger,
         stopping: asyncio.Event | None = None,
     ) -> None:
         self.settings = settings
-        self.store = store
         self.metrics = metrics
         self.log = log
         self.stopping = stopping
+        self._store = store
+        self._phase = "starting"
         self._runner: web.AppRunner | None = None
         self._probe_task: asyncio.Task[Readiness] | None = None
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            raise RuntimeError("the HTTP server has no store yet (still starting)")
+        return self._store
+
+    def starting(self, phase: str) -> None:
+        """Name what startup is doing (``connecting to the database``, ``migrating``)."""
+        self._phase = phase
+
+    def attach(self, store: Store) -> None:
+        """Startup is done: answer ``/readyz`` and ``/status`` from ``store`` now."""
+        self._store = store
+
+    def detach(self) -> None:
+        """The store is about to close: stop asking it (``/readyz`` answers ``stopping``)."""
+        self._store = None
+        self._phase = "stopping"
 
     @property
     def host(self) -> str:
@@ -160,17 +193,30 @@ class HttpServer:
         sharing keeps them from taking every pooled connection while the database is slow.
         The shield keeps one caller's disconnect from cancelling the others' answer.
         """
+        store = self._store
+        if store is None:
+            return self._not_started()
         task = self._probe_task
         if task is None or task.done():
-            task = asyncio.create_task(self._check_database(), name="http:probe")
+            task = asyncio.create_task(self._check_database(store), name="http:probe")
             self._probe_task = task
         return await asyncio.shield(task)
 
-    async def _check_database(self) -> Readiness:
-        expected = migrations(self.store.backend)[-1].version
+    def _not_started(self) -> Readiness:
+        """Readiness before :meth:`attach` (or after :meth:`detach`): never ready."""
+        expected = migrations(self.settings.database_url.backend)[-1].version
+        return Readiness(False, self._phase_reason(), None, expected)
+
+    def _phase_reason(self) -> str:
+        if self._phase == "stopping" or (self.stopping is not None and self.stopping.is_set()):
+            return "stopping"
+        return f"starting: {self._phase}"
+
+    async def _check_database(self, store: Store) -> Readiness:
+        expected = migrations(store.backend)[-1].version
         try:
             async with asyncio.timeout(PROBE_TIMEOUT):
-                version = await self.store.schema_version()
+                version = await store.schema_version()
         except TimeoutError:
             self.metrics.database_up.set(0)
             return Readiness(
@@ -206,13 +252,21 @@ class HttpServer:
         )
 
     async def _status(self, request: web.Request) -> web.Response:
+        store = self._store
+        if store is None:
+            return _error(503, self._phase_reason())
         try:
             async with asyncio.timeout(STATUS_TIMEOUT):
-                report = await collect_status(self.store, self.settings)
+                report = await collect_status(store, self.settings)
         except TimeoutError:
             return _error(503, f"database did not answer within {STATUS_TIMEOUT:g}s")
         except Exception as exc:
             return _error(503, f"database: {describe(exc)}")
+        if not self.settings.http.status_detail:
+            # Anyone who can reach the port reads this: no database URL, host names, pids
+            # or client addresses unless the operator opted in (docs/operations.md).
+            report = summarize(report)
+        report["replica"] = replica_status(self.settings, self.metrics)
         return web.json_response(report, dumps=json.dumps)
 
 

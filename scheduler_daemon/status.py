@@ -4,6 +4,11 @@ PostgreSQL: the lock holder and the waiting standbys come from ``pg_locks`` join
 ``pg_stat_activity`` (the lock manager's own truth), enriched with the holder's row in
 ``scheduler_leaders`` (host, pid, since, heartbeat). SQLite: the leaders row, and whether
 the loop's lock file is held right now.
+
+:func:`collect_status` is the full report, for whoever holds the database's credentials
+(the CLI). :func:`summarize` keeps the part that is safe to show anyone who can reach the
+HTTP port: no database URL, host names, pids or client addresses. The summary is a strict
+subset: every key it has means the same as in the full report, so tools read both.
 """
 
 from __future__ import annotations
@@ -11,12 +16,15 @@ from __future__ import annotations
 import fcntl
 import os
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import Settings
 from .db.base import Store
 from .db.sqlfiles import queries
 from .leadership.sqlite_flock import lock_path
+
+if TYPE_CHECKING:  # the CLI imports this module; it has no use for prometheus_client
+    from .metrics import Metrics
 
 APP_PREFIX = "scheduler-daemon/"
 
@@ -87,7 +95,12 @@ async def _postgres_loops(store: Store, settings: Settings) -> dict[str, dict[st
                 }
             else:
                 standbys.append(who | {"connected_since": _iso(row["backend_start"])})
-        loops[loop] = {"lock_key": key, "leader": leader, "standbys": standbys}
+        loops[loop] = {
+            "lock_key": key,
+            "leader": leader,
+            "standbys": standbys,
+            "standby_count": len(standbys),
+        }
     return loops
 
 
@@ -113,7 +126,13 @@ async def _sqlite_loops(store: Store, settings: Settings) -> dict[str, dict[str,
                 "fencing_token": row["fencing_token"],
             }
         # Waiting processes poll the lock file; they are not visible from outside.
-        loops[loop] = {"lock_key": key, "leader": leader, "lock_held": held, "standbys": None}
+        loops[loop] = {
+            "lock_key": key,
+            "leader": leader,
+            "lock_held": held,
+            "standbys": None,
+            "standby_count": None,
+        }
     return loops
 
 
@@ -129,6 +148,53 @@ def _flock_held(path: os.PathLike[str]) -> bool:
     finally:
         os.close(fd)  # also drops the lock if we just took it
     return False
+
+
+# What the summary keeps, level by level; everything else is left out. An allow-list, so a
+# field added to the full report later stays out of the network's view until added here.
+_SUMMARY_TOP = ("backend", "lock_mode", "schema_version", "publications", "loops")
+_SUMMARY_LOOP = ("lock_key", "lock_held", "standby_count", "backlog", "next_due")
+_SUMMARY_LEADER = ("instance", "since", "last_heartbeat", "heartbeat_age", "fencing_token")
+_SUMMARY_STANDBY = ("instance", "connected_since")
+
+
+def _keep(source: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    return {key: source[key] for key in keys if key in source}
+
+
+def summarize(report: dict[str, Any]) -> dict[str, Any]:
+    """The part of :func:`collect_status`'s report that is safe for the network.
+
+    Kept: per loop whether there is a leader, its instance id, since when, its heartbeat
+    and fencing token; the standbys' instance ids and count; the backlog; the schema
+    version. Left out: the database URL (user, host, database name), host names, pids,
+    backend pids and client addresses. Instance ids stay: they are configured names, but
+    the default one is ``<hostname>-<pid>`` (see docs/operations.md).
+    """
+    summary = _keep(report, _SUMMARY_TOP)
+    loops: dict[str, dict[str, Any]] = {}
+    for name, info in report.get("loops", {}).items():
+        loop = _keep(info, _SUMMARY_LOOP)
+        leader = info.get("leader")
+        loop["leader"] = None if leader is None else _keep(leader, _SUMMARY_LEADER)
+        standbys = info.get("standbys")
+        loop["standbys"] = (
+            None if standbys is None else [_keep(each, _SUMMARY_STANDBY) for each in standbys]
+        )
+        loops[name] = loop
+    if "loops" in report:
+        summary["loops"] = loops
+    return summary
+
+
+def replica_status(settings: Settings, metrics: Metrics) -> dict[str, Any]:
+    """This replica, as the process serving ``/status`` knows itself: its instance id and,
+    per loop, ``leader``, ``standby`` or ``off`` (not run here: disabled, ``--only``)."""
+    loops: dict[str, str] = {}
+    for loop in _loop_keys(settings):
+        value = metrics.registry.get_sample_value("scheduler_leader", {"loop": loop})
+        loops[loop] = "off" if value is None else "leader" if value == 1 else "standby"
+    return {"instance": settings.instance_id, "loops": loops}
 
 
 def render_status(report: dict[str, Any]) -> str:

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import secrets
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
+import asyncpg
 import pytest
+from rig.databases import PgServer, replace_dbname, run_sync
+from rig.pgcluster import PgCluster
 from rig.processes import DaemonProcess, Daemons, run_cli
+
+from scheduler_daemon.config import Settings
+from scheduler_daemon.db.connect import is_login_refused, is_transient, within_startup_budget
+from scheduler_daemon.errors import EXIT_CONFIG, LoginRefused
+from scheduler_daemon.logs import get_logger
 
 BAD_VALUES = [
     ({"SCHEDULER_PUBLISH__INTERVAL": "-1"}, "publish.interval"),
@@ -132,6 +144,162 @@ def test_one_shot_commands_exit_69_when_the_database_is_down(
     assert plain == [lines[-1]], result.stderr
     assert lines[-1].startswith("scheduler-daemon: database postgresql://app:***@127.0.0.1:")
     assert "database.startup_budget" in lines[-1]
+
+
+# -- a login the database refuses is configuration: exit 78 at once, never retried ---------
+
+# Every command that connects; `run` goes through the daemon (HTTP off, see DEFAULT_ENV).
+CONNECTING_COMMANDS = [
+    ["run"],
+    ["migrate"],
+    ["status", "--json"],
+    ["schedule", "--at", "+1h"],
+    ["tasks", "list"],
+]
+# Long enough that a retried refusal could not pass for a fast one.
+REFUSAL_ENV = {"SCHEDULER_DATABASE__STARTUP_BUDGET": "30s"}
+
+
+def with_user(dsn: str, user: str, password: str | None = None) -> str:
+    parts = urlsplit(dsn)
+    userinfo = user if password is None else f"{user}:{password}"
+    return urlunsplit(parts._replace(netloc=f"{userinfo}@{parts.hostname}:{parts.port}"))
+
+
+def assert_refused_login(tmp_path: Path, url: str, what: str, secret: str | None = None) -> None:
+    """Every connecting command exits 78 within seconds, one plain line naming `what`."""
+    for args in CONNECTING_COMMANDS:
+        started = time.monotonic()
+        result = run_cli(args, {"SCHEDULER_DATABASE_URL": url, **REFUSAL_ENV}, cwd=tmp_path)
+        elapsed = time.monotonic() - started
+        assert result.returncode == EXIT_CONFIG, (args, result.returncode, result.stderr)
+        assert elapsed < 10, (args, elapsed)
+        lines = result.stderr.strip().splitlines()
+        assert "db.connect_failed" not in result.stderr, f"{args}: retried\n{result.stderr}"
+        assert "Traceback" not in result.stderr
+        plain = [line for line in lines if not line.startswith("{")]
+        assert plain == [lines[-1]], result.stderr
+        assert "refused the login" in lines[-1], lines[-1]
+        assert what in lines[-1], lines[-1]
+        if secret is not None:
+            assert secret not in result.stderr + result.stdout
+
+
+def test_unknown_database_exits_78_at_once(tmp_path: Path, pg_server: PgServer) -> None:
+    name = f"no_such_db_{secrets.token_hex(4)}"
+    url = replace_dbname(pg_server.admin_dsn, name)
+    assert_refused_login(tmp_path, url, f'database "{name}" does not exist')
+
+
+def test_unknown_role_exits_78_at_once(tmp_path: Path, pg_server: PgServer) -> None:
+    role = f"no_such_role_{secrets.token_hex(4)}"
+    url = with_user(pg_server.admin_dsn, role)
+    assert_refused_login(tmp_path, url, f'role "{role}" does not exist')
+
+
+async def _admin(dsn: str, *statements: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+async def _wait_for_password_auth(dsn: str) -> None:
+    """pg_reload_conf() only signals the postmaster: wait until a wrong password fails."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            conn = await asyncpg.connect(dsn)
+        except asyncpg.InvalidPasswordError:
+            return
+        await conn.close()
+        assert time.monotonic() < deadline, "pg_hba.conf reload did not take effect"
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+def password_role(pg_cluster: PgCluster, pg_server: PgServer) -> Iterator[tuple[str, str]]:
+    """A role that must log in with its password (scram-sha-256), though the throwaway
+    cluster trusts everyone else: a pg_hba.conf rule for this role alone, first."""
+    role, password = f"pw_{secrets.token_hex(4)}", secrets.token_hex(8)
+    run_sync(
+        _admin(pg_server.admin_dsn, f"CREATE ROLE {role} LOGIN SUPERUSER PASSWORD '{password}'")
+    )
+    hba = pg_cluster.data_dir / "pg_hba.conf"
+    original = hba.read_text()
+    rule = f"host all {role} {pg_cluster.host}/32 scram-sha-256\n"
+    hba.write_text(rule + original)  # rewritten in place: the server's user keeps owning it
+    try:
+        run_sync(_admin(pg_server.admin_dsn, "SELECT pg_reload_conf()"))
+        run_sync(_wait_for_password_auth(with_user(pg_server.admin_dsn, role, "wrong")))
+        yield role, password
+    finally:
+        hba.write_text(original)
+        pg_server.ensure_running()
+        run_sync(_admin(pg_server.admin_dsn, "SELECT pg_reload_conf()", f"DROP ROLE {role}"))
+
+
+def test_wrong_password_exits_78_at_once(
+    tmp_path: Path, pg_url: str, password_role: tuple[str, str]
+) -> None:
+    role, password = password_role
+    url = with_user(pg_url, role, "hunter2")
+    assert_refused_login(
+        tmp_path, url, f'password authentication failed for user "{role}"', secret="hunter2"
+    )
+    # The right password gets in: the refusal above was about the password.
+    right = run_cli(
+        ["status", "--json"], {"SCHEDULER_DATABASE_URL": with_user(pg_url, role, password)}
+    )
+    assert right.returncode == 0, right.stderr
+
+
+@pytest.mark.parametrize(
+    ("error", "refused"),
+    [
+        (asyncpg.InvalidPasswordError('password authentication failed for user "app"'), True),
+        (asyncpg.InvalidAuthorizationSpecificationError('role "app" does not exist'), True),
+        (asyncpg.InvalidAuthorizationSpecificationError("no pg_hba.conf entry"), True),
+        (asyncpg.InvalidCatalogNameError('database "app" does not exist'), True),
+        (asyncpg.CannotConnectNowError("the database system is starting up"), False),
+        (asyncpg.TooManyConnectionsError("sorry, too many clients already"), False),
+        (asyncpg.InsufficientPrivilegeError("permission denied for table x"), False),
+        (asyncpg.UndefinedTableError('relation "x" does not exist'), False),
+        (ConnectionRefusedError(111, "Connection refused"), False),
+        (TimeoutError(), False),
+    ],
+    ids=lambda value: type(value).__name__ if isinstance(value, BaseException) else str(value),
+)
+def test_login_refusals_are_told_apart_from_unavailability(
+    error: BaseException, refused: bool
+) -> None:
+    assert is_login_refused(error) is refused
+    if refused:
+        assert not is_transient(error), "a refusal must never be retried"
+
+
+async def test_a_refused_login_is_not_retried() -> None:
+    settings = Settings(
+        database_url="postgresql://app:hunter2@db.invalid/app",
+        database={"startup_budget": 30},
+    )
+    attempts = 0
+
+    async def attempt() -> None:
+        nonlocal attempts
+        attempts += 1
+        raise asyncpg.InvalidPasswordError('password authentication failed for user "app"')
+
+    with pytest.raises(LoginRefused) as info:
+        await within_startup_budget(attempt, settings, get_logger(), failed_event="db.x")
+    assert attempts == 1
+    assert info.value.exit_code == EXIT_CONFIG
+    assert str(info.value) == (
+        "database_url postgresql://app:***@db.invalid/app: the database refused the login: "
+        'password authentication failed for user "app"'
+    )
 
 
 def test_sigterm_during_startup_retries_exits_promptly(daemons: Daemons) -> None:
@@ -305,3 +473,30 @@ def test_a_transient_migration_failure_is_retried(daemons: Daemons, pg_empty_url
     process = asyncio.run(hold_lock_while_starting())
     process.wait_for_log("daemon.started", timeout=30)
     assert process.poll() is None
+
+
+@pytest.mark.parametrize(
+    "url_fixture", ["sqlite_empty_url", pytest.param("pg_empty_url", marks=pytest.mark.postgres)]
+)
+def test_check_config_connect_logs_in_to_an_unmigrated_database(
+    request: pytest.FixtureRequest, url_fixture: str, tmp_path: Path
+) -> None:
+    """The compose preflight: config valid and login accepted, before any migration."""
+    url: str = request.getfixturevalue(url_fixture)
+    result = run_cli(["check-config", "--connect"], {"SCHEDULER_DATABASE_URL": url}, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "database login ok, schema version None" in result.stderr
+    assert json.loads(result.stdout)["database_url"]
+
+
+def test_check_config_connect_exits_69_when_the_database_is_unreachable(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again at once: nothing listens there
+    env = {
+        "SCHEDULER_DATABASE_URL": f"postgresql://app@127.0.0.1:{port}/app",
+        "SCHEDULER_DATABASE__STARTUP_BUDGET": "1s",
+    }
+    result = run_cli(["check-config", "--connect"], env, cwd=tmp_path)
+    assert result.returncode == 69, result.stderr
+    assert "Traceback" not in result.stderr

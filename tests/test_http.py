@@ -7,16 +7,25 @@ import asyncio
 import json
 import os
 import re
+import secrets
+import signal
+import socket
 import time
-from collections.abc import AsyncIterator
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
+import asyncpg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from rig.databases import PgServer, run_sync
 from rig.pgcluster import PgCluster
+from rig.processes import DaemonProcess, Daemons, run_cli
 from structlog.testing import capture_logs
 
 from scheduler_daemon.config import Settings
@@ -28,7 +37,7 @@ from scheduler_daemon.errors import ConfigError
 from scheduler_daemon.http import HttpServer
 from scheduler_daemon.logs import get_logger
 from scheduler_daemon.metrics import Metrics
-from scheduler_daemon.status import collect_status
+from scheduler_daemon.status import collect_status, replica_status, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "scheduler-daemon.json"
@@ -44,7 +53,8 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def make_settings(database_url: str, **overrides: Any) -> Settings:
-    return Settings(database_url=database_url, http={"port": 0}, **overrides)
+    http = {"port": 0, **overrides.pop("http", {})}
+    return Settings(database_url=database_url, http=http, **overrides)
 
 
 class Served:
@@ -61,9 +71,9 @@ class Served:
 
 @asynccontextmanager
 async def serving(
-    database_url: str, stopping: asyncio.Event | None = None
+    database_url: str, stopping: asyncio.Event | None = None, **overrides: Any
 ) -> AsyncIterator[Served]:
-    settings = make_settings(database_url)
+    settings = make_settings(database_url, **overrides)
     store = await open_store(settings)
     metrics = Metrics()
     try:
@@ -114,9 +124,11 @@ async def test_all_endpoints(database_url: str) -> None:
         assert status == 200
         report = json.loads(body)
         expected = await collect_status(served.server.store, served.server.settings)
-        assert report == json.loads(json.dumps(expected))
+        replica = replica_status(served.server.settings, served.metrics)
+        assert report == json.loads(json.dumps(summarize(expected) | {"replica": replica}))
         assert report["backend"] == backend
         assert set(report["loops"]) == {"publish", "plugin"}
+        assert "database" not in report  # the summary: see test_status_summary_*
 
         status, _, _ = await served.get("/nope")
         assert status == 404
@@ -146,7 +158,8 @@ async def test_status_and_errors_never_show_the_password(
     # The throwaway cluster trusts local connections, so any password gets in.
     with_password = pg_url.replace("postgresql://postgres@", "postgresql://postgres:s3cret@")
     assert with_password != pg_url
-    async with serving(with_password) as served:
+    # The detailed report is the one that names the database at all.
+    async with serving(with_password, http={"status_detail": True}) as served:
         answers = [await served.get(path) for path in ("/status", "/readyz")]
         pg_cluster.stop()
         answers += [await served.get(path) for path in ("/status", "/readyz", "/metrics")]
@@ -322,6 +335,369 @@ async def test_daemon_without_http(sqlite_url: str) -> None:
     assert daemon.http is None
     daemon.request_stop("test")
     assert await asyncio.wait_for(run, 10) == 0
+
+
+# -- startup: the port is bound before the database is awaited ------------------------------
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def unreachable_database() -> str:
+    return f"postgresql://app:hunter2@127.0.0.1:{closed_port()}/app"
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    """A blocking GET, for tests that drive real processes; any status is an answer."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code, error.read().decode()
+
+
+def plain_lines(process: DaemonProcess) -> list[str]:
+    """What the process wrote that is not a JSON log line: the one-line refusal."""
+    return [line for line in process.output().splitlines() if not line.startswith("{")]
+
+
+def test_a_port_clash_exits_78_before_the_database_is_tried(daemons: Daemons) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        # The default startup budget (60 s): binding after connecting would wait it out.
+        process = daemons.start(
+            {
+                "SCHEDULER_DATABASE_URL": unreachable_database(),
+                "SCHEDULER_HTTP__ENABLED": "true",
+                "SCHEDULER_HTTP__PORT": str(port),
+            }
+        )
+        assert process.wait(timeout=20) == 78
+        elapsed = time.monotonic() - started
+    assert elapsed < 5, elapsed
+    [line] = plain_lines(process)
+    assert line.startswith(f"scheduler-daemon: http: cannot listen on 127.0.0.1:{port}: "), line
+    assert "address already in use" in line
+    assert not [e for e in process.log_events() if e.get("event") == "db.connect_failed"]
+
+
+def test_probes_answer_while_the_database_is_unreachable(daemons: Daemons) -> None:
+    process = daemons.start(
+        {
+            "SCHEDULER_DATABASE_URL": unreachable_database(),
+            "SCHEDULER_HTTP__ENABLED": "true",
+            "SCHEDULER_HTTP__PORT": "0",
+        }
+    )
+    port = process.wait_for_log("http.started", timeout=15)["port"]
+    process.wait_for_log("db.connect_failed", timeout=15)  # retrying, within its budget
+    assert http_get(port, "/healthz") == (200, "ok\n")  # the event loop is alive
+
+    status, body = http_get(port, "/readyz")
+    assert status == 503
+    assert json.loads(body) == {
+        "status": "not ready",
+        "reason": "starting: connecting to the database",
+        "schema_version": None,
+        "expected_schema_version": latest_version("postgres"),
+    }
+    status, body = http_get(port, "/metrics")
+    assert status == 200
+    assert "scheduler_database_up 0.0" in body
+    status, body = http_get(port, "/status")
+    assert (status, json.loads(body)) == (503, {"error": "starting: connecting to the database"})
+    assert process.poll() is None
+    assert "hunter2" not in process.output()
+
+    process.signal(signal.SIGTERM)
+    assert process.wait(timeout=15) == 0
+
+
+def test_readyz_names_each_startup_phase_until_the_loops_run(
+    daemons: Daemons, pg_empty_url: str
+) -> None:
+    """Connected, but another migrator holds the migration lock: ``migrating``; then
+    ready, with ``/status`` answering from the database."""
+    from scheduler_daemon.db.postgres import MIGRATION_LOCK_KEY
+
+    def reason(port: int) -> str | None:
+        status, body = http_get(port, "/readyz")
+        answer: str | None = json.loads(body)["reason"]
+        assert (status == 200) == (answer is None), body
+        return answer
+
+    async def scenario() -> tuple[DaemonProcess, int]:
+        conn = await asyncpg.connect(pg_empty_url)
+        try:
+            async with conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK_KEY)
+                process = daemons.start(
+                    {
+                        "SCHEDULER_DATABASE_URL": pg_empty_url,
+                        "SCHEDULER_HTTP__ENABLED": "true",
+                        "SCHEDULER_HTTP__PORT": "0",
+                    }
+                )
+                started = await asyncio.to_thread(process.wait_for_log, "http.started")
+                port = started["port"]
+                deadline = time.monotonic() + 15
+                while (now := await asyncio.to_thread(reason, port)) != "starting: migrating":
+                    assert now == "starting: connecting to the database", now
+                    assert time.monotonic() < deadline, now
+                    await asyncio.sleep(0.05)
+                status, body = await asyncio.to_thread(http_get, port, "/status")
+                assert (status, json.loads(body)) == (503, {"error": "starting: migrating"})
+        finally:
+            await conn.close()
+        return process, port
+
+    process, port = asyncio.run(scenario())
+    process.wait_for_log("daemon.started", timeout=30)
+    assert reason(port) is None
+    status, body = http_get(port, "/status")
+    assert status == 200
+    assert json.loads(body)["schema_version"] == latest_version("postgres")
+    process.signal(signal.SIGTERM)
+    assert process.wait(timeout=15) == 0
+
+
+async def test_a_server_without_a_store_is_starting_until_attached(sqlite_url: str) -> None:
+    settings = make_settings(sqlite_url)
+    store = await open_store(settings)
+    metrics = Metrics()
+    try:
+        async with (
+            HttpServer(settings, None, metrics, get_logger()) as server,
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session,
+        ):
+            served = Served(server, metrics, session)
+            server.starting("connecting to the database")
+            assert (await served.get("/healthz"))[:2] == (200, "ok\n")
+            status, body, _ = await served.get("/readyz")
+            assert (status, json.loads(body)["reason"]) == (
+                503,
+                "starting: connecting to the database",
+            )
+            assert "scheduler_database_up 0.0" in (await served.get("/metrics"))[1]
+            status, body, _ = await served.get("/status")
+            assert (status, json.loads(body)) == (
+                503,
+                {"error": "starting: connecting to the database"},
+            )
+
+            server.attach(store)
+            assert (await served.get("/readyz"))[0] == 200
+            assert (await served.get("/status"))[0] == 200
+
+            server.detach()  # the store is about to close
+            status, body, _ = await served.get("/readyz")
+            assert (status, json.loads(body)["reason"]) == (503, "stopping")
+            assert (await served.get("/status"))[0] == 503
+    finally:
+        await store.close()
+
+
+# -- what the network sees on /status -----------------------------------------------------
+
+# What the summary must never show: connection details, host names, process ids.
+CONNECTION_KEYS = {"database", "host", "pid", "backend_pid", "client_addr"}
+
+
+def walk(node: Any) -> Iterator[tuple[str | None, Any]]:
+    """Every (key, value) in a JSON document, list items with key None."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield key, value
+            yield from walk(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield None, value
+            yield from walk(value)
+
+
+def assert_same_keys_where_present(summary: Any, full: Any, at: str = "") -> None:
+    """The summary's shape is the full report's, pruned: no key of its own, same types."""
+    if isinstance(summary, dict):
+        assert isinstance(full, dict), at
+        assert set(summary) <= set(full), f"{at}: {set(summary) - set(full)} not in the full"
+        for key, value in summary.items():
+            assert_same_keys_where_present(value, full[key], f"{at}.{key}")
+    elif isinstance(summary, list):
+        assert isinstance(full, list), at
+        assert len(summary) == len(full), at
+        for index, (a, b) in enumerate(zip(summary, full, strict=True)):
+            assert_same_keys_where_present(a, b, f"{at}[{index}]")
+    else:
+        assert (summary is None) == (full is None) or at.endswith("_age"), at
+
+
+def with_user(dsn: str, user: str, password: str) -> str:
+    parts = urlsplit(dsn)
+    return urlunsplit(parts._replace(netloc=f"{user}:{password}@{parts.hostname}:{parts.port}"))
+
+
+@pytest.fixture
+def status_role(pg_server: PgServer) -> Iterator[str]:
+    """A login role with a name no other text in a report could contain (the rig's own
+    user, ``postgres``, is also the name of the backend)."""
+    role = f"sd_status_{secrets.token_hex(4)}"
+
+    async def admin(statement: str) -> None:
+        conn = await asyncpg.connect(pg_server.admin_dsn)
+        try:
+            await conn.execute(statement)
+        finally:
+            await conn.close()
+
+    run_sync(admin(f"CREATE ROLE {role} LOGIN SUPERUSER"))
+    yield role
+    pg_server.ensure_running()
+    run_sync(admin(f"DROP ROLE {role}"))
+
+
+def test_status_summary_shows_the_network_no_connection_details(
+    daemons: Daemons, pg_url: str, status_role: str
+) -> None:
+    url = with_user(pg_url, status_role, "s3cret")  # trust auth: any password gets in
+    dbname = urlsplit(pg_url).path.lstrip("/")
+    common = {"SCHEDULER_DATABASE_URL": url, "SCHEDULER_HTTP__ENABLED": "true"}
+    common["SCHEDULER_HTTP__PORT"] = "0"
+    summary_replica = daemons.start({**common, "SCHEDULER_INSTANCE_ID": "replica-a"})
+    summary_replica.wait_for_log("daemon.started")
+    detail_replica = daemons.start(
+        {**common, "SCHEDULER_INSTANCE_ID": "replica-b", "SCHEDULER_HTTP__STATUS_DETAIL": "true"}
+    )
+    detail_replica.wait_for_log("daemon.started")
+    ports = [p.wait_for_log("http.started")["port"] for p in (summary_replica, detail_replica)]
+
+    # Both replicas compete for both loops: one leads, the other waits.
+    deadline = time.monotonic() + 15
+    while True:
+        status, body = http_get(ports[1], "/status")
+        assert status == 200, body
+        detail = json.loads(body)
+        if all(
+            loop["leader"] is not None and loop["standby_count"] == 1
+            for loop in detail["loops"].values()
+        ):
+            break
+        assert time.monotonic() < deadline, detail
+        time.sleep(0.1)
+    status, body = http_get(ports[0], "/status")
+    assert status == 200
+    summary = json.loads(body)
+
+    # The detailed report (opt-in) and the CLI's have what the summary must not.
+    cli = run_cli(["status", "--json"], {"SCHEDULER_DATABASE_URL": url})
+    assert cli.returncode == 0, cli.stderr
+    full = json.loads(cli.stdout)
+    pids = {summary_replica.pid, detail_replica.pid}
+    for report, text in ((detail, json.dumps(detail)), (full, cli.stdout)):
+        for shown in (status_role, dbname, "127.0.0.1"):
+            assert shown in text
+        assert {key for key, _ in walk(report)} >= CONNECTION_KEYS
+        leaders = {loop["leader"]["pid"] for loop in report["loops"].values()}
+        assert leaders
+        assert leaders <= pids
+        assert "s3cret" not in text
+    assert "replica" not in full  # the CLI is no replica; each HTTP answer names its own
+    assert detail["replica"]["instance"] == "replica-b"
+
+    # The summary has none of it: no user, database, address, host name or pid.
+    for secret in (status_role, dbname, "127.0.0.1", "s3cret"):
+        assert secret not in body, f"{secret!r} in the summary: {body}"
+    assert json.dumps(socket.gethostname()) not in body  # as a value: "host": "<name>"
+    assert not CONNECTION_KEYS & {key for key, _ in walk(summary)}, summary
+    backend_pids = {
+        who["backend_pid"]
+        for loop in detail["loops"].values()
+        for who in [loop["leader"], *loop["standbys"]]
+    }
+    # No number in it is a pid (as text they could collide with a timestamp's digits).
+    numbers = {value for _, value in walk(summary) if isinstance(value, int)}
+    assert not numbers & (pids | backend_pids), summary
+
+    # What it does have: who leads each loop, since when, the token; the standbys; itself.
+    assert summary["schema_version"] == latest_version("postgres")
+    assert summary["replica"] == {
+        "instance": "replica-a",
+        "loops": {
+            name: "leader" if loop["leader"]["instance"] == "replica-a" else "standby"
+            for name, loop in detail["loops"].items()
+        },
+    }
+    for name, loop in summary["loops"].items():
+        leader = loop["leader"]
+        assert leader["instance"] == detail["loops"][name]["leader"]["instance"]
+        assert leader["fencing_token"] == detail["loops"][name]["leader"]["fencing_token"]
+        assert leader["since"] == detail["loops"][name]["leader"]["since"]
+        assert loop["standby_count"] == 1
+        assert [s["instance"] for s in loop["standbys"]] == [
+            s["instance"] for s in detail["loops"][name]["standbys"]
+        ]
+    # A strict subset of the full report's shape, so one tool reads both.
+    assert_same_keys_where_present(summary, detail)
+    assert_same_keys_where_present({k: v for k, v in summary.items() if k != "replica"}, full)
+
+    for process in (detail_replica, summary_replica):
+        process.signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+
+
+async def test_status_summary_on_sqlite(sqlite_url: str) -> None:
+    async with serving(sqlite_url) as served:
+        full = await collect_status(served.server.store, served.server.settings)
+        _, body, _ = await served.get("/status")
+    summary = json.loads(body)
+    assert not CONNECTION_KEYS & {key for key, _ in walk(summary)}
+    assert sqlite_url.split("///", 1)[1] not in body  # the file's path
+    assert_same_keys_where_present({k: v for k, v in summary.items() if k != "replica"}, full)
+    assert summary["replica"]["loops"] == {"publish": "off", "plugin": "off"}
+
+    async with serving(sqlite_url, http={"status_detail": True}) as served:
+        _, body, _ = await served.get("/status")
+    detail = json.loads(body)
+    assert detail.pop("replica")["instance"] == served.server.settings.instance_id
+    assert detail == json.loads(json.dumps(full))
+
+
+def test_summarize_keeps_only_what_it_allows() -> None:
+    leader = {"instance": "a", "host": "h", "pid": 1, "since": "t", "fencing_token": 3}
+    report = {
+        "database": "postgresql://u:***@h/db",
+        "backend": "postgres",
+        "schema_version": 9,
+        "loops": {
+            "publish": {
+                "lock_key": 5,
+                "leader": leader | {"new_secret_field": "x"},
+                "standbys": [{"instance": "b", "backend_pid": 7, "client_addr": "10.0.0.2"}],
+                "standby_count": 1,
+                "backlog": 0,
+            },
+        },
+        "something_added_later": {"host": "h"},
+    }
+    assert summarize(report) == {
+        "backend": "postgres",
+        "schema_version": 9,
+        "loops": {
+            "publish": {
+                "lock_key": 5,
+                "leader": {"instance": "a", "since": "t", "fencing_token": 3},
+                "standbys": [{"instance": "b"}],
+                "standby_count": 1,
+                "backlog": 0,
+            },
+        },
+    }
 
 
 # -- the Grafana dashboard only queries what /metrics exposes ------------------------------

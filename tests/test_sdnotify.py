@@ -215,7 +215,10 @@ def test_daemon_process_notifies_systemd(
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
         assert response.status == 200
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as response:
-        assert json.load(response)["loops"]["publish"]["leader"]["pid"] == daemon.pid
+        report = json.load(response)
+    # The summary /status serves by default names instances, never pids.
+    assert report["loops"]["publish"]["leader"]["instance"] == report["replica"]["instance"]
+    assert report["replica"]["loops"] == {"publish": "leader", "plugin": "leader"}
 
     daemon.signal(signal.SIGTERM)
     stopping = path_socket.wait_for("STOPPING=1", timeout=10)

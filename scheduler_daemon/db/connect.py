@@ -9,9 +9,10 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from ..config import Settings
-from ..errors import ConfigError, DatabaseUnavailable, describe
+from ..errors import ConfigError, DatabaseUnavailable, LoginRefused, describe
 from ..logs import Logger
 from .base import Store
+from .url import redact
 
 T = TypeVar("T")
 
@@ -47,7 +48,8 @@ class Backoff:
 async def connect(settings: Settings, log: Logger) -> Store:
     """Open the store, retrying with backoff until ``database.startup_budget`` runs out.
 
-    Raises :class:`DatabaseUnavailable` (exit 69) with the last error, password redacted.
+    Raises :class:`DatabaseUnavailable` (exit 69) with the last error, password redacted;
+    :class:`LoginRefused` (exit 78) at once if the database refuses the login.
     """
     timeout = settings.database.connect_timeout * 2
     return await within_startup_budget(
@@ -63,7 +65,9 @@ async def within_startup_budget(
 ) -> T:
     """Run ``attempt`` until it succeeds. Transient errors (see :func:`is_transient`) are
     retried with backoff, each logged as ``failed_event``, until ``database.startup_budget``
-    runs out; then, or at once for any other error, :class:`DatabaseUnavailable`."""
+    runs out; then, or at once for any other error, :class:`DatabaseUnavailable`. A login
+    the database refuses (see :func:`is_login_refused`) raises :class:`LoginRefused`
+    (exit 78) at once: a supervisor must not restart us in a loop until someone fixes it."""
     budget = settings.database.startup_budget
     deadline = time.monotonic() + budget
     backoff = Backoff()
@@ -73,6 +77,11 @@ async def within_startup_budget(
         except ConfigError:
             raise  # refused configuration (e.g. an unsafe SQLite file): exit 78, not 69
         except Exception as exc:
+            if is_login_refused(exc):
+                raise LoginRefused(
+                    f"database_url {settings.database_url}: the database refused the login: "
+                    f"{redact(str(exc))}"
+                ) from None
             error = describe(exc)
             if not is_transient(exc):
                 raise DatabaseUnavailable(f"database {settings.database_url}: {error}") from None
@@ -91,6 +100,28 @@ async def within_startup_budget(
                 attempt=backoff.attempt,
             )
             await asyncio.sleep(delay)
+
+
+# SQLSTATE class 28 (invalid_authorization_specification: 28000 unknown role, no pg_hba.conf
+# entry, role not allowed to log in; 28P01 wrong password) and 3D000 (invalid_catalog_name:
+# no such database). The server says "never, as configured", not "not now".
+_LOGIN_REFUSED_CLASSES = ("28",)
+_LOGIN_REFUSED_CODES = ("3D000",)
+
+
+def is_login_refused(exc: BaseException) -> bool:
+    """The database answered and refused the login: a wrong password, an unknown role or
+    database, a ``pg_hba.conf`` rule (asyncpg's ``InvalidPasswordError``,
+    ``InvalidAuthorizationSpecificationError``, ``InvalidCatalogNameError``). A
+    configuration error: retrying with the same settings gets the same answer."""
+    import asyncpg
+
+    if not isinstance(exc, asyncpg.PostgresError):
+        return False
+    sqlstate = getattr(exc, "sqlstate", None)
+    if not isinstance(sqlstate, str):
+        return False
+    return sqlstate.startswith(_LOGIN_REFUSED_CLASSES) or sqlstate in _LOGIN_REFUSED_CODES
 
 
 def is_transient(exc: BaseException) -> bool:
