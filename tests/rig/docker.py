@@ -8,6 +8,7 @@ without Docker cannot run these tests at all. Everything a test creates should b
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import uuid
@@ -137,7 +138,5 @@ class Cleanup:
 
 
 def _quietly(*args: str) -> None:
-    try:
+    with contextlib.suppress(DockerError):
         docker(*args, timeout=60, check=False)
-    except DockerError:
-        pass
