@@ -1,0 +1,66 @@
+"""The README's commands, run as written."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rig.processes import Daemons, run_cli
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def shell_blocks() -> list[str]:
+    return re.findall(r"```sh\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_three_replicas_on_one_host_start_as_written(pg_url: str, daemons: Daemons) -> None:
+    """The "start as many as you like" snippet: three replicas, one leader, two standbys."""
+    (block,) = [b for b in shell_blocks() if "export SCHEDULER_DATABASE_URL=" in b]
+    lines = block.strip().splitlines()
+    assert lines[0].startswith("export SCHEDULER_DATABASE_URL=postgresql://")
+    assert lines[-1] == "scheduler-daemon status"
+    # The reader's database is ours; the rest runs unchanged, then waits for its replicas.
+    script = "\n".join([f"export SCHEDULER_DATABASE_URL={pg_url}", *lines[1:-1], "wait"])
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
+    shell = daemons.spawn(
+        ["bash", "-c", script],
+        {"PATH": path, "SCHEDULER_LOG__FORMAT": "json", "PYTHONUNBUFFERED": "1"},
+        name="readme",
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert shell.poll() is None, shell.output()[-3000:]
+            result = run_cli(["status", "--json"], {"SCHEDULER_DATABASE_URL": pg_url})
+            assert result.returncode == 0, result.stderr
+            loops = json.loads(result.stdout)["loops"]
+            if all(i["leader"] and len(i["standbys"]) == 2 for i in loops.values()):
+                break
+            assert time.monotonic() < deadline, f"{loops}\n{shell.output()[-3000:]}"
+            time.sleep(0.3)
+        assert " 78" not in shell.output()
+    finally:
+        # The replicas are the shell's children, in its session: stop them all.
+        os.killpg(shell.popen.pid, signal.SIGTERM)
+    shell.wait(60)
+
+    def stopped() -> int:
+        return sum(e["event"] == "daemon.stopped" for e in shell.log_events())
+
+    deadline = time.monotonic() + 60
+    while stopped() < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert stopped() == 3, shell.output()[-3000:]
+
+
+@pytest.mark.parametrize("needle", ['export PATH="$PWD/.venv/bin:$PATH"'])
+def test_the_quick_start_says_where_the_command_lives(needle: str) -> None:
+    assert any(needle in block for block in shell_blocks())
+    assert (Path(sys.executable).parent / "scheduler-daemon").exists()
