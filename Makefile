@@ -8,11 +8,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint typecheck pytest chaos bench constraints clean
 
-$(STAMP): pyproject.toml tests/sample_plugin/pyproject.toml
+# The test suite's sample plugin is not installed here (the suite puts it on PYTHONPATH),
+# so `make run` starts a daemon with nothing but what you configure; older venvs lose it.
+$(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	$(BIN)/python -m pip install --quiet -e tests/sample_plugin
+	$(BIN)/python -m pip uninstall --quiet --yes scheduler-sample-plugin 2>/dev/null || true
 	touch $(STAMP)
 
 # Debug logging by default here, so you see every tick; override with SCHEDULER_LOG__LEVEL.

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -64,3 +65,26 @@ def test_three_replicas_on_one_host_start_as_written(pg_url: str, daemons: Daemo
 def test_the_quick_start_says_where_the_command_lives(needle: str) -> None:
     assert any(needle in block for block in shell_blocks())
     assert (Path(sys.executable).parent / "scheduler-daemon").exists()
+
+
+def test_make_run_loads_no_test_plugin(tmp_path: Path) -> None:
+    """The venv `make run` uses has no sample publisher or tasks: only the suite sees them."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = (
+        "import importlib.metadata as m; print(sorted(e.name for g in"
+        " ('scheduler_daemon.plugins', 'scheduler_daemon.publishers')"
+        " for e in m.entry_points(group=g)))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert "sample" not in result.stdout
+    assert "effects" not in result.stdout
+    # While the suite itself does see them.
+    assert (
+        "sample"
+        in subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path
+        ).stdout
+    )

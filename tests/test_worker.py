@@ -573,7 +573,10 @@ class Parent:
         script.write_text(PARENT_SCRIPT)
         self.out = tmp_path / "out.json"
         self._stderr_path = tmp_path / "parent.stderr"
-        env = {**os.environ, "PYTHONPATH": str(TESTS_DIR)}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ["PYTHONPATH"]]),
+        }
         with self._stderr_path.open("wb") as stderr:
             self.process = subprocess.Popen(
                 [sys.executable, str(script), target, str(self.out)],

@@ -11,10 +11,17 @@ A plugin module rather than conftest code so that tests can load it into pyteste
 
 from __future__ import annotations
 
+import importlib
 import os
+import shutil
+import sys
+import tempfile
 from collections.abc import Generator, Mapping
+from pathlib import Path
 
 import pytest
+
+from .sample_plugin import write_distribution
 
 POSTGRES_FIXTURE = "pg_server"
 
@@ -26,6 +33,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="also run the tests marked chaos_long (deselected otherwise)",
     )
+
+
+_SAMPLE_SITE_KEY = pytest.StashKey[Path]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Put the sample plugin on the path of the suite and of every process it starts."""
+    site = Path(tempfile.mkdtemp(prefix="scheduler-sample-plugin-"))
+    config.stash[_SAMPLE_SITE_KEY] = site
+    entries = [str(p) for p in write_distribution(site)]
+    inherited = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([*entries, *([inherited] if inherited else [])])
+    sys.path[:0] = entries
+    importlib.invalidate_caches()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    site = config.stash.get(_SAMPLE_SITE_KEY, None)
+    if site is not None:
+        shutil.rmtree(site, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

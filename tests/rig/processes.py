@@ -39,7 +39,11 @@ def daemon_env(env: Mapping[str, str]) -> dict[str, str]:
     SCHEDULER_TEST_DATABASE_URL meant for the rig) from changing what a test runs.
     """
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("SCHEDULER_")}
-    return {**inherited, **DEFAULT_ENV, **env}
+    merged = {**inherited, **DEFAULT_ENV, **env}
+    # A test's own PYTHONPATH goes first; the suite's (the sample plugin) stays behind it.
+    if "PYTHONPATH" in env and inherited.get("PYTHONPATH"):
+        merged["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], inherited["PYTHONPATH"]])
+    return merged
 
 
 def run_cli(
