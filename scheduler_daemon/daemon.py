@@ -27,7 +27,7 @@ from . import db
 from .aio import unless_set
 from .config import Settings
 from .db.connect import connect, within_startup_budget
-from .errors import EXIT_OK, EXIT_SOFTWARE, ConfigError
+from .errors import EXIT_OK, EXIT_SOFTWARE, ConfigError, describe
 from .http import HttpServer
 from .leadership import make_guard
 from .leadership.pooler import detect_transaction_pooler
@@ -185,11 +185,12 @@ class Daemon:
             if self.http is not None:
                 self.http.attach(store)
             self.started.set()
-            self.notifier.ready(self._status_line(list(runners)))
-            self.notifier.watch_status(lambda: self._status_line(list(runners)), every=1.0)
+            # Logged before READY=1, so by the time `systemctl start` returns it is written.
             self.log.info(
                 "daemon.started", loops=list(runners), database=str(self.settings.database_url)
             )
+            self.notifier.ready(self._status_line(list(runners)))
+            self.notifier.watch_status(lambda: self._status_line(list(runners)), every=1.0)
             return await self._monitor(tasks)
 
     async def _serve_http(self, stack: AsyncExitStack) -> None:
@@ -284,12 +285,18 @@ class Daemon:
         for name, task in tasks.items():
             if task.done():
                 error = task.exception() if not task.cancelled() else None
-                self.log.error("loop.died", loop=name, error=repr(error))
+                why = describe(error) if error else "ended without an exception"
+                self.log.error("loop.died", loop=name, error=why)
         self.stopping.set()
         return EXIT_SOFTWARE
 
     async def _stop_tasks(self, tasks: Mapping[str, asyncio.Task[None]]) -> None:
         self.stopping.set()
+        # The stall watchdog has nothing to finish, and its query may hang on a database
+        # that is gone: it must not hold the stop up for shutdown_timeout.
+        watchdog = tasks.get("watchdog")
+        if watchdog is not None:
+            watchdog.cancel()
         pending = [task for task in tasks.values() if not task.done()]
         try:
             if pending and not self.forced:

@@ -95,6 +95,25 @@ def test_systemd_unit_contract() -> None:
     for hardening in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "PrivateDevices"):
         assert one[hardening] == "yes"
     assert one["ProtectSystem"] == "strict"
+    # The docs install /etc/scheduler-daemon 0750; the same mode here, or a warning at
+    # every start (tests/test_systemd.py checks the journal).
+    assert one["ConfigurationDirectory"] == "scheduler-daemon"
+    assert one["ConfigurationDirectoryMode"] == "0750"
+    # The root-only config file reaches the DynamicUser as a credential; SetCredential=
+    # is the default that keeps a missing file from failing the start (243/CREDENTIALS).
+    assert unit["LoadCredential"] == ["config.toml:/etc/scheduler-daemon/config.toml"]
+    [fallback] = unit["SetCredential"]
+    assert fallback.startswith("config.toml:#")  # a TOML comment: no settings
+    assert one["Environment"] == "SCHEDULER_CONFIG=%d/config.toml"
+    # Exit 78 is never restarted; the start limit stops any other loop. It must be
+    # reachable with RestartSec= between starts: systemd's default (5 in 10s) is not.
+    assert one["RestartPreventExitStatus"] == "78"
+    burst, interval = int(one["StartLimitBurst"]), parse_duration(one["StartLimitIntervalSec"])
+    restart_sec = parse_duration(one["RestartSec"])
+    assert burst * restart_sec < interval
+    # ... but not a database that is down for long: exit 69 once per startup budget.
+    budget = Settings.model_fields["database"].default_factory().startup_budget
+    assert interval / (budget + restart_sec) < burst
 
 
 def systemd_verify(unit: Path) -> subprocess.CompletedProcess[str]:
