@@ -1,8 +1,10 @@
 """The ``scheduler-daemon`` command line.
 
 Every command reads the same configuration (file from ``--config``/``SCHEDULER_CONFIG``,
-then ``SCHEDULER_*`` variables) and reports a refusal as one line on stderr with a
-sysexits-style exit code: 78 invalid config, 69 database unavailable, 65 bad input.
+then ``SCHEDULER_*`` variables) and reports a failure as one line on stderr, never a
+traceback, with a sysexits-style exit code: 65 bad input, 66 no schema (run ``migrate``),
+69 database unavailable, 70 internal error, 75 database busy (try again), 78 invalid
+config or a login/privilege the database refused. See docs/operations.md, Exit codes.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import asyncio
 import functools
 import json
 import sys
-from collections.abc import Callable, Coroutine
+import traceback
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,12 +23,20 @@ from typing import Any, TypeVar
 import click
 
 from . import __version__
-from .client import Client
+from .client import Client, ignored_changes
 from .config import LogSettings, Settings, load_settings, parse_duration
-from .db import Publication
-from .db.connect import connect
-from .errors import EXIT_SOFTWARE, InvalidInput, NotFound, SchedulerError
+from .db import Publication, PublicationFilter, ScheduleResult, Store
+from .db.connect import connect, explain_database_error
+from .errors import (
+    EXIT_SOFTWARE,
+    InvalidInput,
+    NotFound,
+    SchedulerError,
+    SchemaMissing,
+    describe,
+)
 from .logs import configure_logging, get_logger
+from .output import dumps, json_row, json_rows
 from .signals import stop_on_signals
 from .status import collect_status, render_status
 
@@ -40,13 +52,39 @@ config_option = click.option(
 )
 
 
+# Where _settings() leaves the command's settings (click's per-invocation context), for
+# handles_errors to name the database in what it prints.
+_SETTINGS = "scheduler_daemon.settings"
+
+
+class InternalError(SchedulerError):
+    """Not a refusal: a bug. One line too; the traceback only at log level debug."""
+
+    exit_code = EXIT_SOFTWARE
+
+
 def _fail(error: SchedulerError) -> None:
     click.echo(f"scheduler-daemon: {error}", err=True)
     sys.exit(error.exit_code)
 
 
+def _explain(exc: Exception) -> SchedulerError:
+    context = click.get_current_context(silent=True)
+    settings: Settings | None = context.meta.get(_SETTINGS) if context else None
+    if settings is not None:
+        explained = explain_database_error(exc, settings.database_url)
+        if explained is not None:
+            return explained
+    if settings is not None and settings.log.level == "debug":
+        traceback.print_exception(exc)
+    hint = "a bug; SCHEDULER_LOG__LEVEL=debug prints the traceback"
+    return InternalError(f"internal error ({hint}): {describe(exc)}")
+
+
 def handles_errors(command: F) -> F:
-    """Turn the daemon's own errors into one line and an exit code, not a traceback."""
+    """Turn every failure into one line on stderr and an exit code, never a traceback: the
+    daemon's own errors as they are, a database's explained (``explain_database_error``:
+    no schema, busy, privilege, …), anything else as an internal error (70)."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -54,20 +92,49 @@ def handles_errors(command: F) -> F:
             return command(*args, **kwargs)
         except SchedulerError as error:
             _fail(error)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise  # click's own: usage errors print themselves (exit 2)
+        except Exception as exc:
+            _fail(_explain(exc))
 
     return wrapper  # type: ignore[return-value]
 
 
 def _settings(config_file: Path | None, quiet: bool = True) -> Settings:
     settings = load_settings(config_file)
+    context = click.get_current_context(silent=True)
+    if context is not None:
+        context.meta[_SETTINGS] = settings
     # One-shot commands only log problems (e.g. retries); `run` logs at the configured level.
     level = "warning" if quiet and settings.log.level in ("debug", "info") else settings.log.level
-    configure_logging(LogSettings(format=settings.log.format, level=level))
+    configure_logging(
+        LogSettings(format=settings.log.format, level=level), instance=settings.instance_id
+    )
     return settings
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
+
+
+@asynccontextmanager
+async def _store(settings: Settings, *, create: bool = False) -> AsyncIterator[Store]:
+    """The database for one command: an unreachable one is retried for
+    ``database.command_budget`` (not the daemon's startup budget: someone is waiting), and
+    a SQLite file that does not exist is left uncreated unless ``create`` (``migrate``)."""
+    log = get_logger(instance=settings.instance_id)
+    store = await connect(settings, log, create=create, budget="command_budget")
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+@asynccontextmanager
+async def _client(settings: Settings) -> AsyncIterator[Client]:
+    """:class:`Client` on :func:`_store`."""
+    async with _store(settings) as store:
+        yield Client(store, settings.publish.max_payload_bytes)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -121,12 +188,9 @@ def migrate(config_file: Path | None) -> None:
     settings = _settings(config_file)
 
     async def main() -> None:
-        store = await connect(settings, get_logger(instance=settings.instance_id))
-        try:
+        async with _store(settings, create=True) as store:
             applied = await store.migrate()
             version = await store.schema_version()
-        finally:
-            await store.close()
         names = ", ".join(f"{m.version:04d}_{m.name}" for m in applied) or "nothing to apply"
         click.echo(f"schema at version {version} ({names})")
 
@@ -154,7 +218,7 @@ def check_config(config_file: Path | None, and_connect: bool) -> None:
     from .plugins.tasks import load_tasks
     from .publishers import build_publishers
 
-    settings = load_settings(config_file)
+    settings = _settings(config_file)
     tasks = load_tasks(settings, builtin_tasks(settings))  # imports targets: exit 78 if broken
     build_publishers(settings, settings.database_url.backend)
     report = settings.redacted()
@@ -165,32 +229,38 @@ def check_config(config_file: Path | None, and_connect: bool) -> None:
     if and_connect:
 
         async def main() -> int | None:
-            configure_logging(LogSettings(format=settings.log.format, level="warning"))
-            store = await connect(settings, get_logger(instance=settings.instance_id))
             try:
-                return await store.schema_version()
-            finally:
-                await store.close()
+                async with _store(settings) as store:
+                    return await store.schema_version()
+            except SchemaMissing:
+                if settings.database_url.backend != "sqlite":
+                    raise
+                # No file yet, in a directory we may write to: `run` will create it.
+                return None
 
         version = _run(main())
         click.echo(f"database login ok, schema version {version}", err=True)
 
 
-def parse_when(text: str, now: datetime | None = None) -> datetime:
-    """ISO 8601 with a timezone (``2027-01-01T09:00:00+02:00``, ``…Z``) or ``+10m``."""
+def parse_when(text: str, now: datetime | None = None, option: str = "--at") -> datetime:
+    """ISO 8601 with a timezone (``2027-01-01T09:00:00+02:00``, ``…Z``), or relative to
+    this machine's clock: ``+10m``, ``-1h``."""
     text = text.strip()
-    if text.startswith("+"):
+    if text[:1] in ("+", "-"):
         try:
             seconds = parse_duration(text[1:])
         except ValueError:
-            raise InvalidInput(f"--at {text!r}: not a relative time like +90s or +10m") from None
-        return (now or datetime.now(UTC)) + timedelta(seconds=seconds)
+            raise InvalidInput(
+                f"{option} {text!r}: not a relative time like +90s, +10m or -1h"
+            ) from None
+        sign = -1 if text[0] == "-" else 1
+        return (now or datetime.now(UTC)) + timedelta(seconds=sign * seconds)
     try:
         when = datetime.fromisoformat(text)
     except ValueError:
-        raise InvalidInput(f"--at {text!r}: not an ISO 8601 time") from None
+        raise InvalidInput(f"{option} {text!r}: not an ISO 8601 time") from None
     if when.tzinfo is None:
-        raise InvalidInput(f"--at {text!r}: give a timezone (e.g. Z or +02:00)")
+        raise InvalidInput(f"{option} {text!r}: give a timezone (e.g. Z or +02:00)")
     return when
 
 
@@ -205,24 +275,43 @@ def _describe(publication: Publication) -> dict[str, Any]:
 
 @cli.command()
 @config_option
-@click.option("--at", "at", required=True, help="When: ISO 8601 with timezone, or +10m.")
+@click.option(
+    "--at", "at", required=True, help="When: ISO 8601 with timezone, or +10m (-10m: --allow-past)."
+)
 @click.option("--payload", default="{}", show_default=True, help="JSON payload.")
-@click.option("--key", default=None, help="Idempotency key: scheduling it again is a no-op.")
+@click.option(
+    "--key",
+    default=None,
+    help="Idempotency key: scheduling it again changes nothing (the first request wins).",
+)
+@click.option(
+    "--allow-past",
+    is_flag=True,
+    help="Accept an --at earlier than now (this machine's clock): it is published at once.",
+)
 @handles_errors
-def schedule(config_file: Path | None, at: str, payload: str, key: str | None) -> None:
+def schedule(
+    config_file: Path | None, at: str, payload: str, key: str | None, allow_past: bool
+) -> None:
     """Schedule a publication and print its id."""
     settings = _settings(config_file)
-    when = parse_when(at)
+    now = datetime.now(UTC)
+    when = parse_when(at, now)
+    if when < now and not allow_past:
+        raise InvalidInput(
+            f"--at {at!r} is {_span(now - when)} in the past by this machine's clock; "
+            "pass --allow-past to publish it at once"
+        )
     try:
         data = json.loads(payload)
     except json.JSONDecodeError as exc:
         raise InvalidInput(f"--payload is not valid JSON: {exc}") from None
 
     async def main() -> None:
-        async with Client.connect(settings, get_logger(instance=settings.instance_id)) as client:
+        async with _client(settings) as client:
             result = await client.schedule(when, data, key=key)
         if not result.created:
-            click.echo(f"key {key!r} already scheduled as id {result.publication.id}", err=True)
+            click.echo(_repeated_key_notice(result, when, data), err=True)
         click.echo(result.publication.id)
 
     _run(main())
@@ -237,7 +326,7 @@ def cancel(config_file: Path | None, publication_id: int) -> None:
     settings = _settings(config_file)
 
     async def main() -> None:
-        async with Client.connect(settings, get_logger(instance=settings.instance_id)) as client:
+        async with _client(settings) as client:
             publication = await client.cancel(publication_id)
         click.echo(json.dumps(_describe(publication)))
 
@@ -253,11 +342,8 @@ def status(config_file: Path | None, as_json: bool) -> None:
     settings = _settings(config_file)
 
     async def main() -> dict[str, Any]:
-        store = await connect(settings, get_logger(instance=settings.instance_id))
-        try:
+        async with _store(settings) as store:
             return await collect_status(store, settings)
-        finally:
-            await store.close()
 
     report = _run(main())
     click.echo(json.dumps(report, indent=2) if as_json else render_status(report))
@@ -303,14 +389,12 @@ def tasks() -> None:
     """List and operate plugin tasks."""
 
 
-def _task_rows(settings: Settings, query: str, *args: Any) -> list[dict[str, Any]]:
+def _task_rows(
+    settings: Settings, query: str, *args: Any, readonly: bool = False
+) -> list[dict[str, Any]]:
     async def main() -> list[dict[str, Any]]:
-        store = await connect(settings, get_logger(instance=settings.instance_id))
-        try:
-            async with store.transaction() as tx:
-                return await tx.fetch(query, *args)
-        finally:
-            await store.close()
+        async with _store(settings) as store, store.transaction(readonly=readonly) as tx:
+            return await tx.fetch(query, *args)
 
     return _run(main())
 
@@ -325,9 +409,9 @@ def _when(value: datetime | None) -> str:
 @handles_errors
 def tasks_list(config_file: Path | None, as_json: bool) -> None:
     """Each task: schedule, next run, last run and status, run count."""
-    rows = _task_rows(_settings(config_file), "tasks_list")
+    rows = _task_rows(_settings(config_file), "tasks_list", readonly=True)
     if as_json:
-        click.echo(json.dumps(rows, indent=2, default=str))
+        click.echo(dumps(json_rows(rows)))
         return
     header = f"{'TASK':<28} {'STATE':<9} {'NEXT RUN':<26} {'LAST STATUS':<12} {'RUNS':>6}  SCHEDULE"
     click.echo(header)
@@ -360,6 +444,194 @@ tasks.command("resume", help="Resume a paused task (also clears its failure coun
 tasks.command("trigger", help="Run a task once, as soon as the leader sees it.")(
     _task_action("task_trigger", "triggered")
 )
+
+
+# -- publications ---------------------------------------------------------------------
+
+PUBLICATION_STATUSES = ("scheduled", "published", "cancelled", "failed")
+
+
+def _span(delta: timedelta) -> str:
+    """A duration for people: ``45s``, ``12m``, ``3h 5m``, ``2d 4h``."""
+    seconds = int(abs(delta.total_seconds()))
+    for unit, size, smaller, smaller_size in (
+        ("d", 86400, "h", 3600),
+        ("h", 3600, "m", 60),
+        ("m", 60, "", 0),
+    ):
+        if seconds >= size:
+            text = f"{seconds // size}{unit}"
+            rest = (seconds % size) // smaller_size if smaller_size else 0
+            return f"{text} {rest}{smaller}" if rest else text
+    return f"{seconds}s"
+
+
+def _repeated_key_notice(result: ScheduleResult, when: datetime, payload: Any) -> str:
+    """What `schedule` says when its --key already named a publication: which one it is,
+    and that the first request won (nothing was changed)."""
+    existing = result.publication
+    head = (
+        f"key {existing.key!r} already scheduled as id {existing.id} "
+        f"({existing.status}, at {existing.publish_at.astimezone(UTC).isoformat()})"
+    )
+    ignored = ignored_changes(result, when, payload)
+    if not ignored:
+        return f"{head}: same time and payload, nothing changed"
+    asked = " and ".join({"publish_at": "--at", "payload": "--payload"}[name] for name in ignored)
+    return (
+        f"{head}: the first request wins, this {asked} {'were' if len(ignored) > 1 else 'was'} "
+        "ignored "
+        f"(to change it: cancel {existing.id}, then schedule under a new key)"
+    )
+
+
+@cli.group()
+def publications() -> None:
+    """See publications: status, attempts, when due and published, by whom, last error."""
+
+
+def _publication_lines(publication: Publication) -> list[tuple[str, str]]:
+    shown = json_row(publication)
+    now = datetime.now(UTC)
+    publish_at = str(shown["publish_at"])
+    if publication.status == "scheduled":
+        delta = publication.publish_at - now
+        publish_at += f"  (due in {_span(delta)})" if delta.total_seconds() > 0 else (
+            f"  (due {_span(delta)} ago: is a publish leader running? "
+            "see `scheduler-daemon status`)"
+        )  # fmt: skip
+    return [
+        ("id", str(publication.id)),
+        ("key", "-" if publication.key is None else publication.key),
+        ("status", publication.status),
+        ("publish_at", publish_at),
+        ("published_at", shown["published_at"] or "-"),
+        ("published_by", publication.published_by or "-"),
+        ("attempts", str(publication.attempts)),
+        ("last_error", publication.last_error or "-"),
+        ("created_at", str(shown["created_at"])),
+        ("payload", json.dumps(publication.payload, ensure_ascii=False)),
+    ]
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Left-aligned columns, as wide as their widest cell; the last one is not padded."""
+    widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [headers, *rows]
+    ]
+
+
+def _one_line(text: str | None, limit: int = 60) -> str:
+    if not text:
+        return "-"
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+@publications.command("list")
+@config_option
+@click.option(
+    "--status",
+    "statuses",
+    multiple=True,
+    type=click.Choice(PUBLICATION_STATUSES),
+    help="Only publications in this status (repeat for several).",
+)
+@click.option("--due-after", help="publish_at at or after this: ISO 8601, or +10m / -1h.")
+@click.option("--due-before", help="publish_at before this: ISO 8601, or +10m / -1h.")
+@click.option("--key", help="This key; with a trailing *, every key that starts with the rest.")
+@click.option(
+    "--limit",
+    type=click.IntRange(1, 10_000),
+    default=100,
+    show_default=True,
+    help="Show at most this many.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (every column).")
+@handles_errors
+def publications_list(
+    config_file: Path | None,
+    statuses: tuple[str, ...],
+    due_after: str | None,
+    due_before: str | None,
+    key: str | None,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """Publications in publish_at order, filtered; the first --limit of them."""
+    settings = _settings(config_file)
+    now = datetime.now(UTC)
+    exact, prefix = (None, key[:-1]) if key and key.endswith("*") else (key, None)
+    where = PublicationFilter(
+        statuses=tuple(statuses) or None,  # type: ignore[arg-type]  # click.Choice checked it
+        due_after=None if due_after is None else parse_when(due_after, now, "--due-after"),
+        due_before=None if due_before is None else parse_when(due_before, now, "--due-before"),
+        key=exact,
+        key_prefix=prefix,
+        limit=limit + 1,  # one more: tells whether the list was cut
+    )
+
+    async def main() -> list[Publication]:
+        async with _client(settings) as client:
+            return await client.find(where)
+
+    found = _run(main())
+    shown = found[:limit]
+    if as_json:
+        click.echo(dumps(json_rows(shown)))
+    elif not shown:
+        click.echo("no publications match")
+    else:
+        headers = ("ID", "STATUS", "PUBLISH AT", "PUBLISHED AT", "ATTEMPTS", "KEY", "LAST ERROR")
+        rows = [
+            (
+                str(p.id), p.status, _when(p.publish_at), _when(p.published_at), str(p.attempts),
+                p.key or "-", _one_line(p.last_error),
+            )
+            for p in shown
+        ]  # fmt: skip
+        for line in _table(headers, rows):
+            click.echo(line)
+    if len(found) > limit:
+        click.echo(
+            f"scheduler-daemon: showing the first {limit}; more match "
+            "(raise --limit, or narrow with --status, --due-after/--due-before, --key)",
+            err=True,
+        )
+
+
+@publications.command("show")
+@config_option
+@click.argument("publication_id", type=int, required=False)
+@click.option("--key", help="The publication scheduled with this key, instead of an ID.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@handles_errors
+def publications_show(
+    config_file: Path | None, publication_id: int | None, key: str | None, as_json: bool
+) -> None:
+    """One publication, every column: `show ID` or `show --key K`."""
+    if (publication_id is None) == (key is None):
+        raise click.UsageError("give a publication ID or --key K (one of them)")
+    settings = _settings(config_file)
+
+    async def main() -> Publication | None:
+        async with _client(settings) as client:
+            if publication_id is not None:
+                return await client.get(publication_id)
+            assert key is not None
+            return await client.get_by_key(key)
+
+    publication = _run(main())
+    if publication is None:
+        what = f"id {publication_id}" if key is None else f"key {key!r}"
+        raise NotFound(f"no publication with {what}")
+    if as_json:
+        click.echo(dumps(json_row(publication)))
+        return
+    for line in _table(("", ""), _publication_lines(publication))[1:]:
+        click.echo(line)
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ edge; the rest of the code receives plain, already-checked values.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -14,8 +15,9 @@ import socket
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
-from urllib.parse import urlsplit
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import (
     BaseModel,
@@ -34,8 +36,9 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from .db.url import REDACTED, DatabaseUrl
+from .db.url import DatabaseUrl
 from .errors import ConfigError
+from .redact import redact_webhook_url
 
 CONFIG_FILE_ENV = "SCHEDULER_CONFIG"
 
@@ -121,6 +124,8 @@ class DatabaseSettings(Section):
     connect_timeout: Duration = 5.0
     statement_timeout: Duration = 30.0
     startup_budget: Duration = 60.0
+    # The same, for the one-shot commands someone waits for (status, schedule, tasks, …).
+    command_budget: Duration = 5.0
 
     @model_validator(mode="after")
     def _pool_bounds(self) -> DatabaseSettings:
@@ -151,21 +156,6 @@ class SqlPublisherSettings(Section):
         return params
 
 
-def redact_webhook_url(url: str) -> str:
-    """Scheme and host only (``https://hooks.example.com/***``): hook URLs often carry
-    their secret in the user info, the path or the query."""
-    try:
-        parts = urlsplit(url.strip())
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        return REDACTED
-    if not parts.scheme or not host:
-        return REDACTED
-    if ":" in host:
-        host = f"[{host}]"
-    return f"{parts.scheme}://{host}{f':{port}' if port else ''}/{REDACTED}"
-
-
 class WebhookPublisherSettings(Section):
     # A SecretStr: Slack-style hook URLs carry their token in the path.
     url: SecretStr | None = None
@@ -175,6 +165,24 @@ class WebhookPublisherSettings(Section):
     backoff: Duration = 1.0
     max_backoff: Duration = 300.0
     concurrency: int = Field(default=8, ge=1, le=256)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: SecretStr | None) -> SecretStr | None:
+        # The messages never quote the URL: it may carry a token.
+        text = "" if url is None else url.get_secret_value()
+        if not text:
+            return url  # unset: `publishers` says so if 'webhook' needs it
+        try:
+            parts = urlsplit(text)
+            parts.port  # noqa: B018  # parsing the port is what may raise
+        except ValueError:
+            raise ValueError("not a URL with a valid port (0-65535)") from None
+        if parts.scheme.lower() not in ("http", "https"):
+            raise ValueError("needs an http:// or https:// URL")
+        if not parts.hostname:
+            raise ValueError("needs a host, as in https://hooks.example.com/path")
+        return url
 
 
 class PublishSettings(Section):
@@ -420,6 +428,23 @@ class LogSettings(Section):
         return value.lower() if isinstance(value, str) else value
 
 
+def postgres_ports(url: str) -> list[str]:
+    """The ports a PostgreSQL URL names, as written: one per host of the (multi-)host list
+    (``postgresql://u@db1:5432,[::1]:5433/app``) and those of a ``port=`` parameter."""
+    rest = url.split("://", 1)[-1]
+    netloc = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    ports = []
+    for host in netloc.rpartition("@")[2].split(","):
+        host = host.rsplit("]", 1)[-1]  # past an IPv6 literal's own colons
+        if ":" in host:
+            ports.append(host.rsplit(":", 1)[1])
+    query = rest[len(netloc) :].partition("?")[2].partition("#")[0]
+    for key, value in parse_qsl(query, keep_blank_values=True):
+        if key == "port":
+            ports += value.split(",")
+    return ports
+
+
 def default_instance_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -456,6 +481,20 @@ class Settings(BaseSettings):
         # The TOML file's contents arrive as init kwargs (see load_settings); listing
         # env first makes the environment win over the file.
         return (env_settings, init_settings)
+
+    @field_validator("database_url")
+    @classmethod
+    def _ports_in_range(cls, url: DatabaseUrl) -> DatabaseUrl:
+        # A port the driver cannot even try is a typo, not an unreachable database.
+        if url.backend == "postgres":
+            for port in postgres_ports(url.secret()):
+                # Not quoted unless a number: a misparsed URL could make it a password.
+                if port and not port.isdigit():
+                    raise ValueError("a port is not a number (1-65535)")
+                if port and (len(port) > 5 or not 1 <= int(port) <= 65535):
+                    shown = port if len(port) <= 6 else port[:6] + "…"
+                    raise ValueError(f"port {shown} is out of range (1-65535)")
+        return url
 
     @model_validator(mode="after")
     def _pool_fits_transaction_mode(self) -> Settings:
@@ -556,11 +595,101 @@ def _describe(error: Mapping[str, Any], task_names: list[Any]) -> str:
         # A URL, token or password must not reach a terminal or a log; a whole section or
         # list is noise. Never echo either.
         return f"{location}: {message}"
+    if repr(value) in message:
+        return f"{location}: {message}"  # the validator quoted it already: once is enough
     return f"{location}: {message} (got {value!r})"
 
 
+ENV_PREFIX = "SCHEDULER_"
+# SCHEDULER_* variables that are not settings but are read by name: the config file's
+# path, the test suite's sample plugin switch; and whole families used by the test rig and
+# the benchmarks (SCHEDULER_TEST_DATABASE_URL, SCHEDULER_BENCH_DATABASE_URL, …).
+OTHER_ENV = frozenset({CONFIG_FILE_ENV, "SCHEDULER_SAMPLE_PLUGIN"})
+OTHER_ENV_PREFIXES = ("SCHEDULER_TEST_", "SCHEDULER_BENCH_")
+
+
+def _alternatives(annotation: Any) -> tuple[Any, ...]:
+    """``X | None`` -> ``(X, None)``; anything else -> ``(annotation,)``."""
+    if get_origin(annotation) in (Union, UnionType):
+        return get_args(annotation)
+    return (annotation,)
+
+
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    """The section a field holds (``X`` or ``X | None``), whose keys are variables too."""
+    for candidate in _alternatives(annotation):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _is_list(annotation: Any) -> bool:
+    return any(get_origin(t) in (list, tuple, set, frozenset) for t in _alternatives(annotation))
+
+
+def _is_json(annotation: Any) -> bool:
+    """Whether pydantic-settings reads this field's variable as JSON (a section, a list)."""
+    return any(
+        get_origin(t) in (list, tuple, set, frozenset, dict)
+        or (isinstance(t, type) and issubclass(t, BaseModel | list | tuple | set | dict))
+        for t in _types_in(annotation)
+    )
+
+
+def setting_variables(
+    model: type[BaseModel] = Settings, prefix: str = ENV_PREFIX
+) -> dict[str, tuple[str, Any]]:
+    """Every variable that sets something, at every depth, mapped to its dotted key and
+    type: ``SCHEDULER_PUBLISH`` (the section, as JSON), ``SCHEDULER_PUBLISH__INTERVAL``, …"""
+    found: dict[str, tuple[str, Any]] = {}
+    dotted = prefix.removeprefix(ENV_PREFIX).replace("__", ".").lower()
+    for name, field in model.model_fields.items():
+        variable = f"{prefix}{name.upper()}"
+        found[variable] = (f"{dotted}{name}", field.annotation)
+        section = _nested_model(field.annotation)
+        if section is not None:
+            found.update(setting_variables(section, f"{variable}__"))
+    return found
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """Refuse a ``SCHEDULER_*`` variable that names no setting (``SCHEDULER_DATABASE_ULR``
+    would otherwise leave the default in place, silently), suggesting the closest name;
+    and one that must hold JSON and does not, naming the variable."""
+    known = setting_variables()
+    for variable in sorted(environ):
+        name = variable.upper()  # pydantic-settings reads them case-insensitively
+        if not name.startswith(ENV_PREFIX) or name in OTHER_ENV:
+            continue
+        if name.startswith(OTHER_ENV_PREFIXES):
+            continue
+        if name not in known:
+            close = difflib.get_close_matches(name, [*known, *OTHER_ENV], n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(
+                f"invalid config: {variable}: unknown variable, not a setting{hint} "
+                "(every setting is listed in config.example.toml)"
+            )
+        key, annotation = known[name]
+        if _is_json(annotation):
+            try:
+                json.loads(environ[variable])
+            except ValueError as exc:
+                shape = (
+                    'a JSON list, e.g. \'["a", "b"]\''
+                    if _is_list(annotation)
+                    else 'a JSON object, e.g. \'{"key": "value"}\''
+                )
+                where = getattr(exc, "msg", str(exc))
+                raise ConfigError(
+                    f"invalid config: {variable}: not valid JSON ({where}); {key} takes {shape}"
+                ) from None
+
+
 def load_settings(config_file: str | Path | None = None) -> Settings:
-    """Build the effective settings; raise :class:`ConfigError` with one line naming the key."""
+    """Build the effective settings; raise :class:`ConfigError` with one line naming the key
+    (or the variable)."""
+    check_environment(os.environ)
     path = config_file or os.environ.get(CONFIG_FILE_ENV) or None
     file_values = _read_toml(Path(path)) if path else {}
     try:

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from .redact import redact
+
 EXIT_OK = 0
+EXIT_DATAERR = 65  # EX_DATAERR: a request (schedule, cancel, …) was refused
+EXIT_NOINPUT = 66  # EX_NOINPUT: the database has no scheduler schema yet (run `migrate`)
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the database could not be reached in time
 EXIT_SOFTWARE = 70  # EX_SOFTWARE: a loop died, or work could not be stopped; restart us
-EXIT_CONFIG = 78  # EX_CONFIG: the configuration is invalid (or the database refused the login)
+EXIT_TEMPFAIL = 75  # EX_TEMPFAIL: the database is busy (locked); try again
+EXIT_CONFIG = 78  # EX_CONFIG: invalid configuration, or the database refused a login/privilege
 
 
 class SchedulerError(Exception):
@@ -24,14 +32,42 @@ class LoginRefused(ConfigError):
     the database's) changes, so it is a configuration error, not an unavailable database."""
 
 
+class PrivilegeRefused(ConfigError):
+    """The database refused a statement for lack of a privilege (SQLSTATE 42501): the
+    configured role may log in but not use the scheduler's tables (or create them).
+    Retrying cannot help until someone grants it, so it is configuration, not
+    unavailability."""
+
+
 class DatabaseUnavailable(SchedulerError):
     exit_code = EXIT_UNAVAILABLE
+
+
+class SchemaMissing(SchedulerError):
+    """The database (or SQLite file) has no scheduler schema: never migrated."""
+
+    exit_code = EXIT_NOINPUT
+
+
+class DatabaseBusy(SchedulerError):
+    """The database could not do it now: SQLite's write lock stayed taken past
+    ``busy_timeout``, a lock or statement timeout, a deadlock. Nothing was changed; the
+    same command may succeed later."""
+
+    exit_code = EXIT_TEMPFAIL
+
+
+class DatabaseFailed(SchedulerError):
+    """The database refused a statement for a reason none of the others covers (a damaged
+    file, a row edited by hand into a shape the code does not expect, a bug)."""
+
+    exit_code = EXIT_SOFTWARE
 
 
 class InvalidInput(SchedulerError):
     """A request (schedule, cancel, …) was refused; nothing was changed."""
 
-    exit_code = 65  # EX_DATAERR
+    exit_code = EXIT_DATAERR
 
 
 class NotFound(InvalidInput):
@@ -39,7 +75,40 @@ class NotFound(InvalidInput):
 
 
 def describe(exc: BaseException) -> str:
-    """An exception as one line for logs and stored errors, passwords removed."""
-    from .db.url import redact
+    """An exception as one line for logs and stored errors, passwords removed.
 
-    return redact(f"{type(exc).__name__}: {exc}")
+    An exception without a message says what it is rather than ``"TimeoutError: "``: a
+    timeout reads ``"TimeoutError: timed out"``, another the first line of its class's
+    docstring (``"ConnectionResetError: Connection reset."``); either adds the exception
+    it was raised from, if that one has a message.
+    """
+    message = str(exc).strip() or _without_message(exc)
+    return redact(f"{type(exc).__name__}: {message}")
+
+
+@contextmanager
+def explain_timeouts(message: str) -> Iterator[None]:
+    """A bare ``TimeoutError`` raised inside (asyncpg's connect and command timeouts,
+    ``asyncio.wait_for``) becomes one that says what timed out, e.g. ``"connecting to the
+    database: no answer within 2s (database.connect_timeout)"``. Still a ``TimeoutError``,
+    so the callers' retry decisions are unchanged; one with a message is left alone."""
+    try:
+        yield
+    except TimeoutError as exc:
+        if str(exc).strip():
+            raise
+        raise TimeoutError(message) from exc
+
+
+def _without_message(exc: BaseException) -> str:
+    doc = type(exc).__doc__ if type(exc) not in (Exception, BaseException) else None
+    if isinstance(exc, TimeoutError):
+        what = "timed out"
+    elif doc and doc.strip():
+        what = doc.strip().splitlines()[0]
+    else:
+        what = "(no message)"
+    cause = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    if cause is not None and str(cause).strip():
+        what += f" ({describe(cause)})"
+    return what

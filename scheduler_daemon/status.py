@@ -108,7 +108,7 @@ async def _sqlite_loops(store: Store, settings: Settings) -> dict[str, dict[str,
     from .db.sqlite import SqliteStore
 
     assert isinstance(store, SqliteStore)
-    async with store.transaction() as tx:
+    async with store.transaction(readonly=True) as tx:  # never waits for the writer
         rows = {(row["loop"], row["lock_key"]): row for row in await tx.fetch("leaders")}
     loops: dict[str, dict[str, Any]] = {}
     for loop, key in _loop_keys(settings).items():
@@ -218,6 +218,9 @@ def render_status(report: dict[str, Any]) -> str:
         if standbys is not None:
             names = ", ".join(s["instance"] or f"pid {s['backend_pid']}" for s in standbys)
             lines.append(f"{'':<10} standbys {len(standbys)}{': ' + names if names else ''}")
+        else:
+            # SQLite: a waiting replica polls the lock file and leaves no trace to count.
+            lines.append(f"{'':<10} standbys unknown (not visible on SQLite)")
         if loop == "publish":
             lines.append(
                 f"{'':<10} backlog {info['backlog']} due, "

@@ -8,12 +8,14 @@ session. Each test gets its own database, cloned from a template that the produc
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+import structlog
 from rig.databases import (
     PgServer,
     copy_sqlite,
@@ -132,6 +134,27 @@ def database_url(request: pytest.FixtureRequest) -> str:
     fixture = "sqlite_url" if request.param == "sqlite" else "pg_url"
     url: str = request.getfixturevalue(fixture)
     return url
+
+
+# -- logging -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """For tests that call ``configure_logging``: structlog's defaults, the root logger's
+    handlers and level, and the warnings capture are put back afterwards."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        structlog.reset_defaults()
+        for handler in root.handlers:
+            if handler not in handlers:
+                root.removeHandler(handler)
+                handler.close()
+        root.setLevel(level)
+        logging.captureWarnings(False)
 
 
 # -- processes and network ----------------------------------------------------------

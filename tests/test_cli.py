@@ -7,20 +7,32 @@ import json
 import secrets
 import signal
 import socket
+import sqlite3
+import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
+import click
 import pytest
+from click.testing import CliRunner
 from rig.databases import PgServer, replace_dbname, run_sync
 from rig.pgcluster import PgCluster
 from rig.processes import DaemonProcess, Daemons, run_cli
 
+from scheduler_daemon.cli import handles_errors
 from scheduler_daemon.config import Settings
-from scheduler_daemon.db.connect import is_login_refused, is_transient, within_startup_budget
-from scheduler_daemon.errors import EXIT_CONFIG, LoginRefused
+from scheduler_daemon.db.connect import (
+    explain_database_error,
+    is_login_refused,
+    is_transient,
+    within_startup_budget,
+)
+from scheduler_daemon.db.url import DatabaseUrl
+from scheduler_daemon.errors import EXIT_CONFIG, LoginRefused, PrivilegeRefused
 from scheduler_daemon.logs import get_logger
 
 BAD_VALUES = [
@@ -133,7 +145,12 @@ def test_one_shot_commands_exit_69_when_the_database_is_down(
     tmp_path: Path, args: list[str]
 ) -> None:
     url = f"postgresql://app:hunter2@127.0.0.1:{_closed_port()}/app"
-    env = {"SCHEDULER_DATABASE_URL": url, "SCHEDULER_DATABASE__STARTUP_BUDGET": "1s"}
+    # Their own budget: `run`'s startup_budget does not apply to them.
+    env = {
+        "SCHEDULER_DATABASE_URL": url,
+        "SCHEDULER_DATABASE__COMMAND_BUDGET": "1s",
+        "SCHEDULER_DATABASE__STARTUP_BUDGET": "1h",
+    }
     result = run_cli(args, env, cwd=tmp_path)
     assert result.returncode == 69, result.stderr
     assert "hunter2" not in result.stderr + result.stdout
@@ -143,7 +160,7 @@ def test_one_shot_commands_exit_69_when_the_database_is_down(
     plain = [line for line in lines if not line.startswith("{")]
     assert plain == [lines[-1]], result.stderr
     assert lines[-1].startswith("scheduler-daemon: database postgresql://app:***@127.0.0.1:")
-    assert "database.startup_budget" in lines[-1]
+    assert "unreachable for 1s (database.command_budget)" in lines[-1]
 
 
 # -- a login the database refuses is configuration: exit 78 at once, never retried ---------
@@ -495,8 +512,247 @@ def test_check_config_connect_exits_69_when_the_database_is_unreachable(tmp_path
         port = sock.getsockname()[1]  # closed again at once: nothing listens there
     env = {
         "SCHEDULER_DATABASE_URL": f"postgresql://app@127.0.0.1:{port}/app",
-        "SCHEDULER_DATABASE__STARTUP_BUDGET": "1s",
+        "SCHEDULER_DATABASE__COMMAND_BUDGET": "1s",
     }
     result = run_cli(["check-config", "--connect"], env, cwd=tmp_path)
     assert result.returncode == 69, result.stderr
     assert "Traceback" not in result.stderr
+
+
+# -- issue 11.2: every command failure is one line and a sysexits code, never a traceback ---
+
+
+def assert_one_line(result: subprocess.CompletedProcess[str], code: int, *phrases: str) -> str:
+    """`result` exited `code` with no traceback and exactly one plain (non-JSON) line on
+    stderr, the last, holding every phrase; returns that line."""
+    assert result.returncode == code, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = result.stderr.strip().splitlines()
+    plain = [line for line in lines if not line.startswith("{")]
+    assert plain == lines[-1:], result.stderr
+    for phrase in phrases:
+        assert phrase in lines[-1], (phrase, lines[-1])
+    return lines[-1]
+
+
+# Every command that reads or writes the schema (`run` and `migrate` create it instead).
+SCHEMA_COMMANDS = [
+    ["status"],
+    ["status", "--json"],
+    ["schedule", "--at", "+1h"],
+    ["cancel", "1"],
+    ["tasks", "list"],
+    ["tasks", "list", "--json"],
+    ["tasks", "pause", "x"],
+]
+
+
+@pytest.mark.parametrize("args", SCHEMA_COMMANDS, ids=" ".join)
+def test_commands_on_a_missing_sqlite_file_say_run_migrate_and_leave_no_file(
+    tmp_path: Path, args: list[str]
+) -> None:
+    """`cd $(mktemp -d) && scheduler-daemon status`: was rc 1, a 63-line sqlite3
+    traceback and an empty scheduler.db left behind."""
+    result = run_cli(args, cwd=tmp_path)
+    assert_one_line(result, 66, "schema not found", "run `scheduler-daemon migrate`")
+    assert list(tmp_path.iterdir()) == [], "nothing may be created"
+
+
+def test_commands_on_an_empty_sqlite_file_say_run_migrate(tmp_path: Path) -> None:
+    (tmp_path / "scheduler.db").touch()  # what the old version left behind
+    for args in SCHEMA_COMMANDS:
+        result = run_cli(args, cwd=tmp_path)
+        assert_one_line(result, 66, "schema not found (no such table: scheduler_", "migrate`")
+
+
+@pytest.mark.postgres
+def test_commands_on_an_unmigrated_postgres_database_say_run_migrate(
+    tmp_path: Path, pg_empty_url: str
+) -> None:
+    """Was rc 1 and a 64-68 line UndefinedTableError traceback."""
+    for args in SCHEMA_COMMANDS:
+        result = run_cli(args, {"SCHEDULER_DATABASE_URL": pg_empty_url}, cwd=tmp_path)
+        assert_one_line(
+            result, 66, 'schema not found (relation "scheduler_', "run `scheduler-daemon migrate`"
+        )
+    # And the preflight still passes: login works, the daemon will migrate.
+    preflight = run_cli(["check-config", "--connect"], {"SCHEDULER_DATABASE_URL": pg_empty_url})
+    assert preflight.returncode == 0, preflight.stderr
+
+
+def test_check_config_connect_creates_no_sqlite_file(tmp_path: Path) -> None:
+    result = run_cli(["check-config", "--connect"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "database login ok, schema version None" in result.stderr
+    assert not (tmp_path / "scheduler.db").exists()
+    # `migrate` is what creates it.
+    assert run_cli(["migrate"], cwd=tmp_path).returncode == 0
+    assert (tmp_path / "scheduler.db").exists()
+
+
+@pytest.fixture
+def unprivileged_url(pg_url: str, pg_server: PgServer) -> Iterator[tuple[str, str]]:
+    """A role that may log in to the migrated database and do nothing else."""
+    role = f"nopriv_{secrets.token_hex(4)}"
+    run_sync(_admin(pg_server.admin_dsn, f"CREATE ROLE {role} LOGIN"))
+    try:
+        yield with_user(pg_url, role), role
+    finally:
+        run_sync(_admin(pg_server.admin_dsn, f"DROP ROLE {role}"))
+
+
+@pytest.mark.postgres
+def test_a_role_without_privileges_exits_78_naming_what_was_denied(
+    tmp_path: Path, unprivileged_url: tuple[str, str]
+) -> None:
+    """Was rc 1 and a 48-65 line InsufficientPrivilegeError traceback (`run`: 69)."""
+    url, role = unprivileged_url
+    for args in [*CONNECTING_COMMANDS, ["cancel", "1"], ["tasks", "pause", "x"]]:
+        started = time.monotonic()
+        result = run_cli(args, {"SCHEDULER_DATABASE_URL": url, **REFUSAL_ENV}, cwd=tmp_path)
+        elapsed = time.monotonic() - started
+        line = assert_one_line(result, 78, "permission denied for ", "(SQLSTATE 42501)", role)
+        assert "table scheduler_" in line or "schema public" in line, line
+        assert "db.migrate_failed" not in result.stderr, "a missing privilege is not retried"
+        assert elapsed < 10, (args, elapsed)
+
+
+def test_one_shot_commands_wait_the_command_budget_not_the_startup_budget(
+    tmp_path: Path,
+) -> None:
+    """An unreachable database: was 60 s (database.startup_budget) before exit 69."""
+    url = f"postgresql://app@127.0.0.1:{_closed_port()}/app"
+    started = time.monotonic()
+    result = run_cli(["status"], {"SCHEDULER_DATABASE_URL": url}, cwd=tmp_path)
+    elapsed = time.monotonic() - started
+    assert_one_line(result, 69, "unreachable for 5s (database.command_budget)")
+    assert 4.5 <= elapsed < 15, elapsed
+
+
+def _hold_write_lock(url: str) -> sqlite3.Connection:
+    """Another process's long write transaction: SQLite's write lock, taken and kept."""
+    conn = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
+    conn.execute("BEGIN IMMEDIATE")
+    conn.execute("UPDATE scheduler_publications SET attempts = attempts")
+    return conn
+
+
+def test_sqlite_reads_do_not_wait_for_a_writer(tmp_path: Path, sqlite_url: str) -> None:
+    """`status` and `tasks list` took the write lock to read: 30 s, then a traceback."""
+    holder = _hold_write_lock(sqlite_url)
+    try:
+        env = {"SCHEDULER_DATABASE_URL": sqlite_url}
+        for args in (
+            ["status"],
+            ["status", "--json"],
+            ["tasks", "list"],
+            ["tasks", "list", "--json"],
+        ):
+            started = time.monotonic()
+            result = run_cli(args, env, cwd=tmp_path)
+            assert result.returncode == 0, (args, result.stderr)
+            assert time.monotonic() - started < 5, args
+    finally:
+        holder.close()
+
+
+def test_sqlite_writes_against_a_held_lock_exit_75_in_one_line(
+    tmp_path: Path, sqlite_url: str
+) -> None:
+    """20 parallel `schedule` calls against a writer that held the lock past busy_timeout
+    all ended in tracebacks (rc 1)."""
+    env = {"SCHEDULER_DATABASE_URL": sqlite_url, "SCHEDULER_DATABASE__STATEMENT_TIMEOUT": "1s"}
+    holder = _hold_write_lock(sqlite_url)
+    try:
+        commands = [["schedule", "--at", "+1h"]] * 6 + [["tasks", "pause", "x"], ["cancel", "1"]]
+        with ThreadPoolExecutor(len(commands)) as pool:
+            results = list(pool.map(lambda args: run_cli(args, env, cwd=tmp_path), commands))
+    finally:
+        holder.close()
+    for result in results:
+        assert_one_line(result, 75, "database is locked", "nothing was changed, try again")
+    # Nothing was scheduled; with the lock free again, scheduling works.
+    assert json.loads(run_cli(["status", "--json"], env).stdout)["publications"]["scheduled"] == 0
+    assert run_cli(["schedule", "--at", "+1h"], env).returncode == 0
+
+
+def test_sqlite_status_says_standbys_are_not_visible(sqlite_url: str) -> None:
+    env = {"SCHEDULER_DATABASE_URL": sqlite_url}
+    text = run_cli(["status"], env)
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.count("standbys unknown (not visible on SQLite)") == 2, text.stdout
+    report = json.loads(run_cli(["status", "--json"], env).stdout)
+    assert {loop["standbys"] for loop in report["loops"].values()} == {None}
+
+
+def test_a_lock_file_that_cannot_be_opened_exits_78_naming_it(
+    daemons: Daemons, sqlite_url: str
+) -> None:
+    """Was retried for ever, one `loop.db_error` warning after another."""
+    lock = Path(sqlite_url.removeprefix("sqlite:///") + ".publish.lock")
+    lock.mkdir()  # root can open any file; nobody can open a directory for writing
+    process = daemons.start({"SCHEDULER_DATABASE_URL": sqlite_url})
+    assert process.wait(timeout=20) == 78
+    output = process.output()
+    assert "Traceback" not in output
+    assert "loop.db_error" not in output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(f"scheduler-daemon: lock file {lock} (for the publish loop)"), last
+    assert "Is a directory" in last
+
+
+@pytest.mark.parametrize(
+    ("error", "exit_code", "phrase"),
+    [
+        (sqlite3.OperationalError("database is locked"), 75, "try again"),
+        (asyncpg.LockNotAvailableError("canceling statement due to lock timeout"), 75, "try"),
+        (asyncpg.DeadlockDetectedError("deadlock detected"), 75, "try again"),
+        (asyncpg.InsufficientPrivilegeError("permission denied for table x"), 78, "42501"),
+        (asyncpg.InvalidPasswordError("password authentication failed"), 78, "refused"),
+        (asyncpg.UndefinedTableError('relation "x" does not exist'), 66, "migrate`"),
+        (sqlite3.OperationalError("no such table: scheduler_x"), 66, "migrate`"),
+        (ConnectionResetError(104, "Connection reset by peer"), 69, "reset"),
+        (asyncpg.UniqueViolationError("duplicate key"), 70, "UniqueViolationError"),
+        (sqlite3.DatabaseError("database disk image is malformed"), 70, "malformed"),
+    ],
+    ids=lambda value: type(value).__name__ if isinstance(value, BaseException) else str(value),
+)
+def test_database_errors_are_explained(error: BaseException, exit_code: int, phrase: str) -> None:
+    url = DatabaseUrl.parse("postgresql://app:hunter2@db/app")
+    explained = explain_database_error(error, url)
+    assert explained is not None
+    assert explained.exit_code == exit_code
+    assert phrase in str(explained)
+    assert "hunter2" not in str(explained)
+    assert explain_database_error(ValueError("a bug"), url) is None
+
+
+async def test_a_missing_privilege_is_not_retried() -> None:
+    settings = Settings(database_url="postgresql://app@db.invalid/app")
+    attempts = 0
+
+    async def attempt() -> None:
+        nonlocal attempts
+        attempts += 1
+        raise asyncpg.InsufficientPrivilegeError("permission denied for schema public")
+
+    with pytest.raises(PrivilegeRefused) as info:
+        await within_startup_budget(attempt, settings, get_logger(), failed_event="db.x")
+    assert attempts == 1
+    assert info.value.exit_code == EXIT_CONFIG
+    assert "permission denied for schema public (SQLSTATE 42501)" in str(info.value)
+    assert "'app'" in str(info.value)
+
+
+def test_a_bug_is_one_line_and_exit_70() -> None:
+    @click.command()
+    @handles_errors
+    def broken() -> None:
+        raise RuntimeError("something impossible")
+
+    result = CliRunner().invoke(broken, [])
+    assert result.exit_code == 70
+    assert result.output == (
+        "scheduler-daemon: internal error (a bug; SCHEDULER_LOG__LEVEL=debug prints the "
+        "traceback): RuntimeError: something impossible\n"
+    )

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 import pytest
-import structlog
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import SecretStr, ValidationError
@@ -17,6 +17,8 @@ from rig.processes import run_cli
 from rig.ticks import FAST_TIMINGS
 
 from scheduler_daemon.config import (
+    OTHER_ENV,
+    OTHER_ENV_PREFIXES,
     TIMING_MARGIN,
     LogSettings,
     Settings,
@@ -26,9 +28,10 @@ from scheduler_daemon.config import (
     lock_key_from_name,
     parse_duration,
     parse_lock_key,
-    redact_webhook_url,
+    postgres_ports,
+    setting_variables,
 )
-from scheduler_daemon.db.url import DatabaseUrl, redact
+from scheduler_daemon.db.url import DatabaseUrl
 from scheduler_daemon.errors import ConfigError
 from scheduler_daemon.leadership.postgres_session import session_keepalive_settings
 from scheduler_daemon.logs import configure_logging, get_logger
@@ -196,21 +199,6 @@ def test_redacted_config_hides_the_password(monkeypatch: pytest.MonkeyPatch) -> 
     assert settings.database_url.secret() == "postgresql://admin:hunter2@db/app"
 
 
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("postgresql://u:secret@h/db", "postgresql://u:***@h/db"),
-        ("postgres://u:s%40cret@h1:5432,h2:5433/db?x=1", "postgres://u:***@h1:5432,h2:5433/db?x=1"),
-        ("connect to host=h password=secret user=u", "connect to host=h password=*** user=u"),
-        ("password='se cret' x", "password=*** x"),
-        ("postgresql://u@h/db", "postgresql://u@h/db"),
-        ("nothing here", "nothing here"),
-    ],
-)
-def test_redact(text: str, expected: str) -> None:
-    assert redact(text) == expected
-
-
 def test_sqlite_paths() -> None:
     assert str(DatabaseUrl.parse("sqlite:///./x.db").sqlite_path) == "x.db"
     assert str(DatabaseUrl.parse("sqlite:////tmp/x.db").sqlite_path) == "/tmp/x.db"
@@ -317,19 +305,6 @@ def test_webhook_url_is_secret_and_redacted(monkeypatch: pytest.MonkeyPatch) -> 
             assert secret not in text
 
 
-@pytest.mark.parametrize(
-    ("url", "shown"),
-    [
-        ("https://hooks.slack.com/services/T0/B0/tok", "https://hooks.slack.com/***"),
-        ("http://u:p@[::1]:8080/x", "http://[::1]:8080/***"),
-        ("not a url at all", "***"),
-        ("https:///path-only", "***"),
-    ],
-)
-def test_redact_webhook_url(url: str, shown: str) -> None:
-    assert redact_webhook_url(url) == shown
-
-
 def test_webhook_publisher_still_needs_url_and_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SCHEDULER_PUBLISH__PUBLISHERS", '["webhook"]')
     monkeypatch.setenv("SCHEDULER_PUBLISH__WEBHOOK__SECRET", "hmac-key")
@@ -342,18 +317,16 @@ def test_webhook_publisher_still_needs_url_and_secret(monkeypatch: pytest.Monkey
     assert load_settings().publish.webhook.url is not None
 
 
+@pytest.mark.usefixtures("restore_logging")
 @pytest.mark.parametrize("fmt", ["console", "json"])
 def test_logged_tracebacks_are_scrubbed(fmt: Literal["console", "json"]) -> None:
     stream = io.StringIO()
+    configure_logging(LogSettings(format=fmt), stream=stream)
     try:
-        configure_logging(LogSettings(format=fmt), stream=stream)
-        try:
-            raise RuntimeError("cannot reach postgresql://u:pw@h/db")
-        except RuntimeError:
-            dsn = "postgresql://u:pw@h/db"
-            get_logger(instance="t").exception("boom", nested={"to": [dsn]}, error=OSError(dsn))
-    finally:
-        structlog.reset_defaults()
+        raise RuntimeError("cannot reach postgresql://u:pw@h/db")
+    except RuntimeError:
+        dsn = "postgresql://u:pw@h/db"
+        get_logger(instance="t").exception("boom", nested={"to": [dsn]}, error=OSError(dsn))
     output = stream.getvalue()
     assert "boom" in output
     assert "RuntimeError" in output, "the traceback is still logged"
@@ -654,3 +627,233 @@ def test_equal_lock_keys_written_differently_in_the_file_exit_78(tmp_path: Path)
     )
     config.write_text('[lock.keys]\npublish = 16\nplugin = "0x11"\n')
     assert run_cli(["check-config", "--config", str(config)], cwd=tmp_path).returncode == 0
+
+
+# -- issue 11.3: configuration typos never pass silently ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("variable", "suggested"),
+    [
+        ("SCHEDULER_DATABASE_ULR", "SCHEDULER_DATABASE_URL"),
+        ("SCHEDULER_PUBLISH_INTERVAL", "SCHEDULER_PUBLISH__INTERVAL"),  # one underscore
+        ("SCHEDULER_PUBLISH__INTREVAL", "SCHEDULER_PUBLISH__INTERVAL"),
+        ("SCHEDULER_PUBLISH__WEBHOOK__URLL", "SCHEDULER_PUBLISH__WEBHOOK__URL"),
+        ("scheduler_lock__moed", "SCHEDULER_LOCK__MODE"),  # read case-insensitively
+        ("SCHEDULER_CONFIG_FILE", "SCHEDULER_CONFIG"),
+    ],
+)
+def test_an_unknown_variable_is_refused_with_the_closest_name(
+    monkeypatch: pytest.MonkeyPatch, variable: str, suggested: str
+) -> None:
+    """`SCHEDULER_DATABASE_ULR=postgresql://…` used to pass, leaving the replica alone on
+    SQLite."""
+    monkeypatch.setenv(variable, "postgresql://app@db/app")
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert str(info.value) == (
+        f"invalid config: {variable}: unknown variable, not a setting; did you mean "
+        f"{suggested}? (every setting is listed in config.example.toml)"
+    )
+
+
+def test_an_unknown_variable_far_from_any_setting_gets_no_suggestion(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SCHEDULER_XYZZY", "1")
+    with pytest.raises(ConfigError, match=r"^invalid config: SCHEDULER_XYZZY: unknown variable"):
+        load_settings()
+
+
+@pytest.mark.parametrize(
+    "variable",
+    [
+        "SCHEDULER_CONFIG",
+        "SCHEDULER_TEST_DATABASE_URL",  # the test rig's server
+        "SCHEDULER_TEST_SYSTEMD_DOCKER_FLAGS",
+        "SCHEDULER_BENCH_DATABASE_URL",  # bench/publish.py
+        "SCHEDULER_SAMPLE_PLUGIN",  # the test suite's sample plugin
+    ],
+)
+def test_variables_that_are_not_settings_but_are_used_are_allowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    value = str(write(tmp_path, "")) if variable == "SCHEDULER_CONFIG" else "x"
+    monkeypatch.setenv(variable, value)
+    load_settings()
+
+
+def test_every_variable_the_docs_and_deploy_files_name_is_accepted() -> None:
+    """What users are told to set must not be refused as a typo."""
+    files = [ROOT / name for name in ("README.md", "config.example.toml", "docker-compose.yml")]
+    files += [ROOT / "Dockerfile", ROOT / "Makefile"]
+    files += [
+        *(ROOT / "docs").rglob("*.md"),
+        *(p for p in (ROOT / "deploy").rglob("*") if p.is_file()),
+    ]
+    names = set()
+    for path in files:
+        for line in path.read_text(errors="replace").splitlines():
+            if "did you mean" not in line:  # the docs' own example of a refused typo
+                names |= set(re.findall(r"\bSCHEDULER_[A-Z0-9_]*[A-Z0-9]\b", line))
+    assert "SCHEDULER_DATABASE_URL" in names
+    known = setting_variables()
+    for name in sorted(names):
+        assert name in known or name in OTHER_ENV or name.startswith(OTHER_ENV_PREFIXES), name
+
+
+def test_every_setting_has_a_variable() -> None:
+    known = setting_variables()
+    assert known["SCHEDULER_DATABASE_URL"][0] == "database_url"
+    assert known["SCHEDULER_PUBLISH__WEBHOOK__MAX_ATTEMPTS"][0] == "publish.webhook.max_attempts"
+    assert known["SCHEDULER_LOCK__KEYS__PUBLISH"][0] == "lock.keys.publish"
+    assert known["SCHEDULER_DATABASE__COMMAND_BUDGET"][0] == "database.command_budget"
+    # Each section is a variable too (pydantic-settings takes it as a JSON object).
+    assert "SCHEDULER_PUBLISH__WEBHOOK" in known
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "takes"),
+    [
+        ("SCHEDULER_PUBLISH__PUBLISHERS", "notify", "publish.publishers takes a JSON list"),
+        ("SCHEDULER_PLUGIN__DISABLED", "purge_publications", "plugin.disabled takes a JSON list"),
+        ("SCHEDULER_PLUGIN__TASKS", "[{", "plugin.tasks takes a JSON list"),
+        ("SCHEDULER_PUBLISH__WEBHOOK", "url=x", "publish.webhook takes a JSON object"),
+    ],
+)
+def test_malformed_json_in_a_variable_names_the_variable(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, takes: str
+) -> None:
+    """Was `error parsing value for field "publish" from source "EnvSettingsSource"`."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    message = str(info.value)
+    assert message.startswith(f"invalid config: {variable}: not valid JSON ("), message
+    assert takes in message
+    assert "EnvSettingsSource" not in message
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("ftp://hooks.example.com/x", "needs an http:// or https:// URL"),
+        ("hooks.example.com/x", "needs an http:// or https:// URL"),
+        ("https:///only-a-path", "needs a host, as in https://hooks.example.com/path"),
+        ("https://hooks.example.com:99999/x", "not a URL with a valid port (0-65535)"),
+    ],
+)
+def test_the_webhook_url_is_validated_without_echoing_it(
+    monkeypatch: pytest.MonkeyPatch, url: str, problem: str
+) -> None:
+    monkeypatch.setenv("SCHEDULER_PUBLISH__WEBHOOK__URL", url + "/t0ken")
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert str(info.value) == f"invalid config: publish.webhook.url: {problem}"
+    assert "t0ken" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["https://hooks.example.com/T0/B0/t0ken", "http://127.0.0.1:8080/hook", "HTTPS://[::1]/x"],
+)
+def test_http_and_https_webhook_urls_are_accepted(
+    monkeypatch: pytest.MonkeyPatch, url: str
+) -> None:
+    monkeypatch.setenv("SCHEDULER_PUBLISH__WEBHOOK__URL", url)
+    assert load_settings().publish.webhook.url is not None
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("postgresql://app:hunter2@db:99999/app", "port 99999 is out of range (1-65535)"),
+        ("postgresql://app:hunter2@db1:5432,db2:70000/app", "port 70000 is out of range"),
+        ("postgresql://app:hunter2@[::1]:0/app", "port 0 is out of range"),
+        ("postgresql://app:hunter2@db/app?port=123456", "port 123456 is out of range"),
+        ("postgresql://app:hunter2@db/app?port=54x32", "a port is not a number"),
+    ],
+)
+def test_a_database_port_out_of_range_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch, url: str, problem: str
+) -> None:
+    """Port 99999 was exit 69 ("database unavailable") after the driver refused it."""
+    monkeypatch.setenv("SCHEDULER_DATABASE_URL", url)
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert str(info.value).startswith(f"invalid config: database_url: {problem}"), info.value
+    assert "hunter2" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://app@db1:5432,db2:5433/app?target_session_attrs=read-write",
+        "postgresql://app@[::1]:5432/app",
+        "postgresql://app@db/app",
+        "postgresql:///app?host=/var/run/postgresql&port=5433",
+    ],
+)
+def test_valid_database_ports_are_accepted(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    monkeypatch.setenv("SCHEDULER_DATABASE_URL", url)
+    assert load_settings().database_url.backend == "postgres"
+
+
+def test_postgres_ports() -> None:
+    assert postgres_ports("postgresql://u:p@h1:1,[::1]:2,h3/db?port=3,4&x=5") == [
+        "1",
+        "2",
+        "3",
+        "4",
+    ]
+    assert postgres_ports("postgres://h/db") == []
+
+
+@pytest.mark.parametrize(
+    ("env", "value"),
+    [
+        ({"SCHEDULER_PUBLISH__INTERVAL": "banana"}, "'banana'"),
+        ({"SCHEDULER_PUBLISH__WEBHOOK__TIMEOUT": "forever"}, "'forever'"),
+        ({"SCHEDULER_PLUGIN__TASKS": '[{"name": "t", "every": "often", "sql": "x"}]'}, "'often'"),
+    ],
+)
+def test_a_bad_value_is_quoted_once(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], value: str
+) -> None:
+    """Was `not a duration: 'banana' (use e.g. …) (got 'banana')`."""
+    for key, text in env.items():
+        monkeypatch.setenv(key, text)
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert str(info.value).count(value) == 1, info.value
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        (
+            {"SCHEDULER_DATABASE_ULR": "postgresql://app:hunter2@db/app"},
+            "SCHEDULER_DATABASE_ULR: unknown variable, not a setting; did you mean "
+            "SCHEDULER_DATABASE_URL?",
+        ),
+        (
+            {"SCHEDULER_PUBLISH__PUBLISHERS": "notify"},
+            "SCHEDULER_PUBLISH__PUBLISHERS: not valid JSON",
+        ),
+        (
+            {"SCHEDULER_DATABASE_URL": "postgresql://app:hunter2@127.0.0.1:99999/app"},
+            "database_url: port 99999 is out of range (1-65535)",
+        ),
+    ],
+)
+@pytest.mark.parametrize("command", [["check-config"], ["status"], ["run"]])
+def test_typos_exit_78_in_one_line_from_every_command(
+    tmp_path: Path, command: list[str], env: dict[str, str], expected: str
+) -> None:
+    result = run_cli(command, env, cwd=tmp_path)
+    assert result.returncode == 78, result.stdout + result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"scheduler-daemon: invalid config: {expected}"), lines[0]
+    assert "hunter2" not in result.stdout + result.stderr
+    assert not (tmp_path / "scheduler.db").exists()

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import sqlite3
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
 
+import asyncpg
 import pytest
 
 from scheduler_daemon.client import Client
 from scheduler_daemon.config import Settings
+from scheduler_daemon.db.connect import open_store
 from scheduler_daemon.db.sqlfiles import queries
-from scheduler_daemon.errors import InvalidInput, NotFound
+from scheduler_daemon.errors import InvalidInput, NotFound, SchemaMissing
 
 
 @pytest.fixture
@@ -89,3 +94,51 @@ async def test_stats_use_the_database_clock(client: Client) -> None:
     assert stats.due == 1
     assert stats.next_due is not None
     assert abs((stats.next_due - (now - timedelta(minutes=1))).total_seconds()) < 0.01
+
+
+# -- reads and writes: a read-only transaction kind -----------------------------------
+
+
+async def test_a_read_only_transaction_does_not_wait_for_a_writer(sqlite_url: str) -> None:
+    """SQLite: a deferred BEGIN, not BEGIN IMMEDIATE, so `status` and `tasks list` read
+    while another process holds the write lock (they used to wait busy_timeout, 30 s)."""
+    holder = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"), isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    holder.execute("UPDATE scheduler_publications SET attempts = attempts")
+    # busy_timeout 0.2 s: a read that waited for the lock at all would fail.
+    settings = Settings(database_url=sqlite_url, database={"statement_timeout": 0.2})
+    store = await open_store(settings)
+    try:
+        async with asyncio.timeout(5), store.transaction(readonly=True) as tx:
+            assert await tx.fetch("leaders") == []
+        # Writers still queue on the lock: the read-only kind is what lets reads through.
+        with pytest.raises(sqlite3.OperationalError, match="database is locked"):
+            async with store.transaction():
+                pass
+    finally:
+        holder.close()
+        await store.close()
+
+
+@pytest.mark.postgres
+async def test_a_read_only_transaction_refuses_writes(pg_url: str) -> None:
+    store = await open_store(Settings(database_url=pg_url))
+    try:
+        with pytest.raises(asyncpg.ReadOnlySQLTransactionError):
+            async with store.transaction(readonly=True) as tx:
+                await tx.run("DELETE FROM scheduler_publications")
+        async with store.transaction(readonly=True) as tx:
+            assert await tx.fetch("leaders") == []
+    finally:
+        await store.close()
+
+
+async def test_opening_a_missing_sqlite_file_without_create_leaves_none(tmp_path: Path) -> None:
+    path = tmp_path / "scheduler.db"
+    settings = Settings(database_url=f"sqlite:///{path}")
+    with pytest.raises(SchemaMissing, match=r"schema not found \(no such file .*migrate`"):
+        await open_store(settings, create=False)
+    assert not path.exists()
+    store = await open_store(settings)  # the default (the daemon, migrate) creates it
+    await store.close()
+    assert path.exists()

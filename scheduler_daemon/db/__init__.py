@@ -3,7 +3,14 @@
 Open one with :func:`scheduler_daemon.db.connect.connect`.
 """
 
-from .base import Publication, PublicationStats, ScheduleResult, Store
+from .base import Publication, PublicationFilter, PublicationStats, ScheduleResult, Store
 from .url import DatabaseUrl
 
-__all__ = ["DatabaseUrl", "Publication", "PublicationStats", "ScheduleResult", "Store"]
+__all__ = [
+    "DatabaseUrl",
+    "Publication",
+    "PublicationFilter",
+    "PublicationStats",
+    "ScheduleResult",
+    "Store",
+]

@@ -39,6 +39,18 @@ class ScheduleResult:
 
 
 @dataclass(frozen=True, slots=True)
+class PublicationFilter:
+    """What ``find_publications`` returns: every given condition holds (None: any)."""
+
+    statuses: tuple[PublicationStatus, ...] | None = None
+    due_after: datetime | None = None  # publish_at >= due_after
+    due_before: datetime | None = None  # publish_at < due_before
+    key: str | None = None  # this key exactly
+    key_prefix: str | None = None  # keys that start with this (case-sensitive)
+    limit: int = 100
+
+
+@dataclass(frozen=True, slots=True)
 class PublicationStats:
     scheduled: int  # rows waiting, due or not
     due: int  # rows whose publish_at has passed by the database's clock (the backlog)
@@ -123,10 +135,21 @@ class Store(Protocol):
 
     async def get(self, publication_id: int) -> Publication | None: ...
 
+    async def get_by_key(self, key: str) -> Publication | None: ...
+
+    async def find_publications(self, where: PublicationFilter) -> list[Publication]:
+        """Matching rows in ``publish_at``, then ``id``, order, at most ``where.limit``.
+        A read: it never waits for (or blocks) a writer longer than a read must."""
+        ...
+
     async def publication_stats(self) -> PublicationStats: ...
 
-    def transaction(self) -> AbstractAsyncContextManager[Tx]:
-        """An unfenced transaction, for administration (the CLI), never for loop work."""
+    def transaction(self, *, readonly: bool = False) -> AbstractAsyncContextManager[Tx]:
+        """An unfenced transaction, for administration (the CLI), never for loop work.
+
+        ``readonly``: for reads (``status``, ``tasks list``), which then never wait for a
+        writer nor hold one up: SQLite starts a deferred transaction instead of taking the
+        write lock (``BEGIN IMMEDIATE``); PostgreSQL's is ``READ ONLY``."""
         ...
 
     async def close(self) -> None: ...

@@ -1,4 +1,5 @@
-"""Open the configured store: pick the backend from the URL, retry within a startup budget."""
+"""Open the configured store: pick the backend from the URL, retry within a budget; and
+tell what a database error means (retry, fix the configuration, migrate, try later)."""
 
 from __future__ import annotations
 
@@ -6,26 +7,43 @@ import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Literal, TypeVar
+from urllib.parse import urlsplit
 
 from ..config import Settings
-from ..errors import ConfigError, DatabaseUnavailable, LoginRefused, describe
+from ..errors import (
+    DatabaseBusy,
+    DatabaseFailed,
+    DatabaseUnavailable,
+    LoginRefused,
+    PrivilegeRefused,
+    SchedulerError,
+    SchemaMissing,
+    describe,
+    explain_timeouts,
+)
 from ..logs import Logger
+from ..redact import redact
 from .base import Store
-from .url import redact
+from .url import DatabaseUrl
 
 T = TypeVar("T")
 
+#: Which ``database.*`` setting bounds the retries: the daemon's start waits long (for a
+#: database starting with it), a command someone is waiting for does not.
+Budget = Literal["startup_budget", "command_budget"]
 
-async def open_store(settings: Settings) -> Store:
-    """One attempt to open the configured store."""
+
+async def open_store(settings: Settings, *, create: bool = True) -> Store:
+    """One attempt to open the configured store. ``create=False``: a SQLite file that does
+    not exist is :class:`SchemaMissing`, and is not created (PostgreSQL: no effect)."""
     if settings.database_url.backend == "postgres":
         from .postgres import PostgresStore
 
         return await PostgresStore.open(settings)
     from .sqlite import SqliteStore
 
-    return await SqliteStore.open(settings)
+    return await SqliteStore.open(settings, create=create)
 
 
 class Backoff:
@@ -37,7 +55,8 @@ class Backoff:
         self.attempt = 0
 
     def next_delay(self) -> float:
-        ceiling = min(self.maximum, self.initial * 2**self.attempt)
+        # The exponent is capped: 2**1024 no longer converts to a float (OverflowError).
+        ceiling = min(self.maximum, self.initial * 2 ** min(self.attempt, 64))
         self.attempt += 1
         return random.uniform(ceiling / 2, ceiling)
 
@@ -45,51 +64,66 @@ class Backoff:
         self.attempt = 0
 
 
-async def connect(settings: Settings, log: Logger) -> Store:
-    """Open the store, retrying with backoff until ``database.startup_budget`` runs out.
+async def connect(
+    settings: Settings,
+    log: Logger,
+    *,
+    create: bool = True,
+    budget: Budget = "startup_budget",
+) -> Store:
+    """Open the store, retrying with backoff until ``database.<budget>`` runs out.
 
     Raises :class:`DatabaseUnavailable` (exit 69) with the last error, password redacted;
-    :class:`LoginRefused` (exit 78) at once if the database refuses the login.
+    :class:`LoginRefused` (exit 78) at once if the database refuses the login. ``create``:
+    see :func:`open_store`.
     """
-    timeout = settings.database.connect_timeout * 2
+    timeout = settings.database.connect_timeout
+
+    async def attempt() -> Store:
+        # The pool's connections time out at connect_timeout, opening it all at twice that.
+        with explain_timeouts(
+            f"connecting: no answer in time (database.connect_timeout {timeout:g}s)"
+        ):
+            return await asyncio.wait_for(open_store(settings, create=create), timeout=timeout * 2)
+
     return await within_startup_budget(
-        lambda: asyncio.wait_for(open_store(settings), timeout=timeout),
-        settings,
-        log,
-        failed_event="db.connect_failed",
+        attempt, settings, log, failed_event="db.connect_failed", budget=budget
     )
 
 
 async def within_startup_budget(
-    attempt: Callable[[], Awaitable[T]], settings: Settings, log: Logger, failed_event: str
+    attempt: Callable[[], Awaitable[T]],
+    settings: Settings,
+    log: Logger,
+    failed_event: str,
+    budget: Budget = "startup_budget",
 ) -> T:
     """Run ``attempt`` until it succeeds. Transient errors (see :func:`is_transient`) are
-    retried with backoff, each logged as ``failed_event``, until ``database.startup_budget``
-    runs out; then, or at once for any other error, :class:`DatabaseUnavailable`. A login
-    the database refuses (see :func:`is_login_refused`) raises :class:`LoginRefused`
-    (exit 78) at once: a supervisor must not restart us in a loop until someone fixes it."""
-    budget = settings.database.startup_budget
-    deadline = time.monotonic() + budget
+    retried with backoff, each logged as ``failed_event``, until ``database.<budget>`` runs
+    out; then, or at once for any other error, :class:`DatabaseUnavailable`. A login the
+    database refuses (see :func:`is_login_refused`) raises :class:`LoginRefused`, a
+    missing privilege :class:`PrivilegeRefused` (both exit 78), at once: a supervisor
+    must not restart us in a loop until someone fixes it."""
+    seconds: float = getattr(settings.database, budget)
+    deadline = time.monotonic() + seconds
     backoff = Backoff()
     while True:
         try:
             return await attempt()
-        except ConfigError:
-            raise  # refused configuration (e.g. an unsafe SQLite file): exit 78, not 69
+        except SchedulerError:
+            raise  # already explained (e.g. an unsafe SQLite file: exit 78, not 69)
         except Exception as exc:
-            if is_login_refused(exc):
-                raise LoginRefused(
-                    f"database_url {settings.database_url}: the database refused the login: "
-                    f"{redact(str(exc))}"
-                ) from None
+            refused = _refusal(exc, settings.database_url)
+            if refused is not None:
+                raise refused from None
             error = describe(exc)
             if not is_transient(exc):
                 raise DatabaseUnavailable(f"database {settings.database_url}: {error}") from None
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise DatabaseUnavailable(
-                    f"database {settings.database_url} unreachable for {budget:g}s "
-                    f"(database.startup_budget): {error}"
+                    f"database {settings.database_url} unreachable for {seconds:g}s "
+                    f"(database.{budget}): {error}"
                 ) from None
             delay = min(backoff.next_delay(), remaining)
             log.warning(
@@ -122,6 +156,81 @@ def is_login_refused(exc: BaseException) -> bool:
     if not isinstance(sqlstate, str):
         return False
     return sqlstate.startswith(_LOGIN_REFUSED_CLASSES) or sqlstate in _LOGIN_REFUSED_CODES
+
+
+def is_privilege_refused(exc: BaseException) -> bool:
+    """SQLSTATE 42501 (insufficient_privilege): the role may log in but not do this (read
+    or write a scheduler table, create the schema). Configuration, like a refused login."""
+    import asyncpg
+
+    return isinstance(exc, asyncpg.PostgresError) and getattr(exc, "sqlstate", None) == "42501"
+
+
+def _role(url: DatabaseUrl | None) -> str | None:
+    if url is None or url.backend != "postgres":
+        return None
+    try:
+        return urlsplit(url.secret()).username
+    except ValueError:
+        return None
+
+
+def _refusal(exc: BaseException, url: DatabaseUrl | None) -> SchedulerError | None:
+    """A refusal that retrying cannot change (exit 78): the login, or a privilege."""
+    if is_login_refused(exc):
+        return LoginRefused(
+            f"database_url {url}: the database refused the login: {redact(str(exc))}"
+        )
+    if is_privilege_refused(exc):
+        role = _role(url)
+        to = f" to the role {role!r}" if role else ""
+        return PrivilegeRefused(
+            f"database {url}: {redact(str(exc))} (SQLSTATE 42501): grant that privilege{to}, "
+            "or set database_url to a role that has it"
+        )
+    return None
+
+
+def explain_database_error(exc: BaseException, url: DatabaseUrl) -> SchedulerError | None:
+    """What an error a database call raised means, as one line and an exit code for the
+    command line: a refusal (78: login, privilege), no schema (66: run ``migrate``), busy
+    (75: SQLite's write lock, a lock or statement timeout, a deadlock: try again),
+    unreachable (69), or any other error the database raised (70). None for an exception
+    that is not the database's (a bug)."""
+    import sqlite3
+
+    import asyncpg
+
+    if isinstance(exc, SchedulerError):
+        return exc
+    refused = _refusal(exc, url)
+    if refused is not None:
+        return refused
+    where = f"database {url}"
+    message = redact(str(exc))
+    if isinstance(exc, asyncpg.UndefinedTableError) or (
+        isinstance(exc, sqlite3.OperationalError) and message.startswith("no such table")
+    ):
+        return SchemaMissing(
+            f"{where}: schema not found ({message}): run `scheduler-daemon migrate`"
+        )
+    if isinstance(exc, sqlite3.OperationalError) and _database_says_not_now(exc):
+        return DatabaseBusy(
+            f"{where}: {message}: another process held the write lock for longer than "
+            "database.statement_timeout; nothing was changed, try again"
+        )
+    if isinstance(
+        exc,
+        asyncpg.LockNotAvailableError
+        | asyncpg.QueryCanceledError
+        | asyncpg.TransactionRollbackError,
+    ):
+        return DatabaseBusy(f"{where}: {describe(exc)}; nothing was changed, try again")
+    if is_transient(exc):
+        return DatabaseUnavailable(f"{where}: {describe(exc)}")
+    if isinstance(exc, asyncpg.PostgresError | asyncpg.InterfaceError | sqlite3.Error):
+        return DatabaseFailed(f"{where}: {describe(exc)}")
+    return None
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -19,7 +19,14 @@ from typing import Any, Final
 import asyncpg
 
 from ..config import Settings
-from .base import AppliedMigration, Publication, PublicationStats, ScheduleResult
+from ..errors import explain_timeouts
+from .base import (
+    AppliedMigration,
+    Publication,
+    PublicationFilter,
+    PublicationStats,
+    ScheduleResult,
+)
 from .common import explain_cancel_refusal
 from .sqlfiles import migrations, queries
 from .url import DatabaseUrl
@@ -156,12 +163,16 @@ class PostgresStore:
         """A connection outside the pool, for session state (locks, LISTEN)."""
         server_settings = self.server_settings(self.settings, purpose)
         server_settings.update(extra_settings or {})
-        conn: asyncpg.Connection = await asyncpg.connect(
-            self.url.postgres_dsn,
-            timeout=self.settings.database.connect_timeout,
-            server_settings=server_settings,
-            statement_cache_size=self.statement_cache_size(self.settings),
-        )
+        timeout = self.settings.database.connect_timeout
+        with explain_timeouts(
+            f"connecting ({purpose}): no answer within {timeout:g}s (database.connect_timeout)"
+        ):
+            conn: asyncpg.Connection = await asyncpg.connect(
+                self.url.postgres_dsn,
+                timeout=timeout,
+                server_settings=server_settings,
+                statement_cache_size=self.statement_cache_size(self.settings),
+            )
         await _init_connection(conn)
         return conn
 
@@ -214,13 +225,25 @@ class PostgresStore:
         row = await self.pool.fetchrow(Q["get"], publication_id)
         return None if row is None else _publication(row)
 
+    async def get_by_key(self, key: str) -> Publication | None:
+        row = await self.pool.fetchrow(Q["get_by_key"], key)
+        return None if row is None else _publication(row)
+
+    async def find_publications(self, where: PublicationFilter) -> list[Publication]:
+        rows = await self.pool.fetch(
+            Q["publications_find"],
+            None if where.statuses is None else list(where.statuses),
+            where.due_after, where.due_before, where.key, where.key_prefix, where.limit,
+        )  # fmt: skip
+        return [_publication(row) for row in rows]
+
     async def publication_stats(self) -> PublicationStats:
         row = await self.pool.fetchrow(Q["publication_stats"])
         return PublicationStats(row["scheduled"], row["due"], row["next_due"])
 
     @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[PgTx]:
-        async with self.pool.acquire() as conn, conn.transaction():
+    async def transaction(self, *, readonly: bool = False) -> AsyncIterator[PgTx]:
+        async with self.pool.acquire() as conn, conn.transaction(readonly=readonly):
             yield PgTx(conn)
 
     async def close(self) -> None:

@@ -34,6 +34,18 @@ UPDATE scheduler_publications SET status = 'cancelled'
 WHERE id = $1 AND status = 'scheduled'
 RETURNING *
 
+-- name: publications_find
+-- `scheduler-daemon publications list`: each condition applies unless its parameter is NULL.
+-- $1 statuses, $2 due_after (inclusive), $3 due_before (exclusive), $4 key, $5 key prefix.
+SELECT * FROM scheduler_publications
+WHERE ($1::text[] IS NULL OR status = ANY($1::text[]))
+  AND ($2::timestamptz IS NULL OR publish_at >= $2::timestamptz)
+  AND ($3::timestamptz IS NULL OR publish_at < $3::timestamptz)
+  AND ($4::text IS NULL OR key = $4::text)
+  AND ($5::text IS NULL OR left(key, length($5::text)) = $5::text)
+ORDER BY publish_at, id
+LIMIT $6
+
 -- name: publication_stats
 SELECT count(*) AS scheduled,
        count(*) FILTER (WHERE publish_at <= now()) AS due,

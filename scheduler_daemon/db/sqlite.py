@@ -3,7 +3,9 @@
 One connection per process, in autocommit mode with explicit ``BEGIN IMMEDIATE``
 transactions, serialised by an asyncio lock: SQLite has one writer at a time anyway, and
 interleaving two coroutines' statements on one connection would mix their transactions.
-Other processes on the same file wait on ``busy_timeout``.
+Other processes on the same file wait on ``busy_timeout``. Reads (plain statements, or a
+``transaction(readonly=True)``) take no write lock: in WAL mode they never wait for the
+writer.
 """
 
 from __future__ import annotations
@@ -11,18 +13,26 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import sqlite3
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Final
+from urllib.parse import quote
 
 import aiosqlite
 
 from ..config import Settings
-from ..errors import DatabaseUnavailable
-from .base import AppliedMigration, Publication, PublicationStats, ScheduleResult
+from ..errors import ConfigError, DatabaseUnavailable, SchemaMissing
+from .base import (
+    AppliedMigration,
+    Publication,
+    PublicationFilter,
+    PublicationStats,
+    ScheduleResult,
+)
 from .common import explain_cancel_refusal
 from .sqlfiles import migrations, queries
 from .sqlite_file import check_database_file, real_path
@@ -163,15 +173,44 @@ class SqliteStore:
         return real_path(path)
 
     @classmethod
-    async def open(cls, settings: Settings) -> SqliteStore:
+    async def open(cls, settings: Settings, *, create: bool = True) -> SqliteStore:
+        """Open the database file; create it if it does not exist and ``create`` is true.
+
+        Without ``create`` (the CLI's commands other than ``migrate``) a missing file is
+        :class:`SchemaMissing` and nothing is left behind. A file or directory this user
+        cannot write is :class:`ConfigError` (exit 78), naming the path.
+        """
         path = settings.database_url.sqlite_path
         assert path is not None
         if not path.parent.is_dir():
             # Not worth retrying: no amount of waiting creates the directory.
-            raise DatabaseUnavailable(f"directory {path.parent} does not exist")
+            raise DatabaseUnavailable(
+                f"database {settings.database_url}: directory {path.parent} does not exist"
+            )
         # Refuses (ConfigError, exit 78) a hard-linked file or a network filesystem.
         real = check_database_file(path)
-        conn = await aiosqlite.connect(real, isolation_level=None)
+        if not real.exists():
+            if not create:
+                raise SchemaMissing(
+                    f"database {settings.database_url}: schema not found (no such file "
+                    f"{real}): run `scheduler-daemon migrate` to create it"
+                )
+            if not os.access(real.parent, os.W_OK | os.X_OK):
+                raise ConfigError(
+                    f"database_url: cannot create {real}: this user (uid {os.geteuid()}) "
+                    f"may not write to the directory {real.parent}"
+                )
+        elif not os.access(real, os.R_OK | os.W_OK):
+            raise ConfigError(
+                f"database_url: {real} is not readable and writable by this user "
+                f"(uid {os.geteuid()})"
+            )
+        # mode=rw: never create the file here unless asked to (the check above could race
+        # with a file being removed).
+        mode = "rwc" if create else "rw"
+        conn = await aiosqlite.connect(
+            f"file:{quote(str(real))}?mode={mode}", uri=True, isolation_level=None
+        )
         try:
             conn.row_factory = sqlite3.Row
             busy_ms = int(settings.database.statement_timeout * 1000)
@@ -185,16 +224,21 @@ class SqliteStore:
         return cls(settings.database_url, conn, real)
 
     @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[SqliteTx]:
-        async with self.write_transaction() as conn:
+    async def transaction(self, *, readonly: bool = False) -> AsyncIterator[SqliteTx]:
+        # A read is a deferred transaction: in WAL mode it neither waits for the writer
+        # nor holds it up; it reads the last committed snapshot.
+        async with self._transaction("BEGIN" if readonly else "BEGIN IMMEDIATE") as conn:
             yield SqliteTx(conn)
 
-    @asynccontextmanager
-    async def write_transaction(self) -> AsyncIterator[aiosqlite.Connection]:
+    def write_transaction(self) -> AbstractAsyncContextManager[aiosqlite.Connection]:
         """``BEGIN IMMEDIATE``: take the write lock up front, so two writers queue on
         ``busy_timeout`` instead of failing later with SQLITE_BUSY on upgrade."""
+        return self._transaction("BEGIN IMMEDIATE")
+
+    @asynccontextmanager
+    async def _transaction(self, begin: str) -> AsyncIterator[aiosqlite.Connection]:
         async with self._lock:
-            await self.conn.execute("BEGIN IMMEDIATE")
+            await self.conn.execute(begin)
             try:
                 yield self.conn
             except BaseException as exc:
@@ -267,6 +311,24 @@ class SqliteStore:
     async def get(self, publication_id: int) -> Publication | None:
         row = await self._fetchone(Q["get"], (publication_id,))
         return None if row is None else _publication(row)
+
+    async def get_by_key(self, key: str) -> Publication | None:
+        row = await self._fetchone(Q["get_by_key"], (key,))
+        return None if row is None else _publication(row)
+
+    async def find_publications(self, where: PublicationFilter) -> list[Publication]:
+        # A plain read in autocommit (no BEGIN IMMEDIATE): WAL readers never wait for the
+        # writer, nor hold it up.
+        params = tuple(
+            to_db_value(value)
+            for value in (
+                where.statuses, where.due_after, where.due_before, where.key,
+                where.key_prefix, where.limit,
+            )
+        )  # fmt: skip
+        async with self._lock, self.conn.execute(Q["publications_find"], params) as cursor:
+            rows = await cursor.fetchall()
+        return [_publication(row) for row in rows]
 
     async def publication_stats(self) -> PublicationStats:
         row = await self._fetchone(Q["publication_stats"])

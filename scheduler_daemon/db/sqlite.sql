@@ -34,6 +34,17 @@ UPDATE scheduler_publications SET status = 'cancelled'
 WHERE id = ? AND status = 'scheduled'
 RETURNING *
 
+-- name: publications_find
+-- Parameters as in postgres.sql; ?1 is a JSON array of statuses.
+SELECT * FROM scheduler_publications
+WHERE (?1 IS NULL OR status IN (SELECT value FROM json_each(?1)))
+  AND (?2 IS NULL OR julianday(publish_at) >= julianday(?2))
+  AND (?3 IS NULL OR julianday(publish_at) < julianday(?3))
+  AND (?4 IS NULL OR key = ?4)
+  AND (?5 IS NULL OR substr(key, 1, length(?5)) = ?5)
+ORDER BY julianday(publish_at), id
+LIMIT ?6
+
 -- name: publication_stats
 SELECT count(*) AS scheduled,
        coalesce(sum(julianday(publish_at) <= julianday('now')), 0) AS due,

@@ -1,4 +1,5 @@
-"""Database URLs: which backend a URL selects, and how to print one without its password."""
+"""Database URLs: which backend a URL selects, the ones the driver would misread (refused),
+and how one prints: never with its password."""
 
 from __future__ import annotations
 
@@ -10,22 +11,48 @@ from urllib.parse import unquote, urlsplit
 from pydantic import GetCoreSchemaHandler
 from pydantic_core import core_schema
 
+from ..redact import redact
+
 Backend = Literal["postgres", "sqlite"]
 
 _POSTGRES_SCHEMES = {"postgres", "postgresql", "postgresql+asyncpg", "postgres+asyncpg"}
 
-# user:password@ in any URL-looking text, and password=… in key/value DSNs and messages.
-_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][\w+.-]*://[^:/@\s]*:)(?P<secret>[^@\s]*)(?=@)")
-_KV_PASSWORD = re.compile(
-    r"(?P<head>\bpassword\s*=\s*)(?P<secret>'[^']*'|\"[^\"]*\"|[^\s&]+)", re.I
+
+# scheme://authority/path?query#fragment, split the way urllib (and so asyncpg) splits it.
+_URL_PARTS = re.compile(
+    r"[^:/?#]+://(?P<authority>[^/?#]*)(?P<path>[^?#]*)(?:\?(?P<query>[^#]*))?(?P<fragment>#.*)?",
+    re.S,
 )
-REDACTED = "***"
 
 
-def redact(text: str) -> str:
-    """Remove passwords from any text that may contain a DSN (log lines, error messages)."""
-    text = _URL_PASSWORD.sub(lambda m: m["head"] + REDACTED, text)
-    return _KV_PASSWORD.sub(lambda m: m["head"] + REDACTED, text)
+def _refuse_misread_userinfo(raw: str) -> None:
+    """Refuse a URL that asyncpg (like libpq) would split elsewhere than its author meant.
+
+    Both end the user info at the *first* ``@`` and the authority at the first ``/``,
+    ``?`` or ``#``: a raw one of those in a password connects with part of it as the host,
+    the port or a query parameter, and the driver's errors then quote that part where no
+    redaction can recognise it (``invalid literal for int() with base 10: 'pa'``). The
+    messages never show the URL's user info.
+    """
+    parts = _URL_PARTS.fullmatch(raw)
+    if parts is None:
+        return
+    hosts = parts["authority"].rpartition("@")[2].split(",")
+    ports = [host.rpartition("]")[2].partition(":")[2] for host in hosts]
+    if parts["authority"].count("@") > 1:
+        problem = "a raw '@' in the user name or password (two before the host)"
+    elif "@" in parts["path"] or parts["fragment"] is not None:
+        problem = "a raw '/' or '#' in the password (an '@' after the host, or a '#')"
+    elif any(port and not port.isdigit() for port in ports):
+        problem = "a raw '/', '?' or '#' in the password (a port that is not a number)"
+    elif any("=" not in field for field in (parts["query"] or "").split("&") if field):
+        problem = "a raw '?' in the password (a query parameter without '=')"
+    else:
+        return
+    raise ValueError(
+        f"{problem}, which ends the password early for libpq and asyncpg: percent-encode "
+        "it (@ as %40, / as %2F, ? as %3F, # as %23)"
+    )
 
 
 class DatabaseUrl:
@@ -52,6 +79,7 @@ class DatabaseUrl:
     def parse(cls, raw: str) -> DatabaseUrl:
         scheme = raw.split("://", 1)[0].lower() if "://" in raw else ""
         if scheme in _POSTGRES_SCHEMES:
+            _refuse_misread_userinfo(raw)
             return cls(raw, "postgres")
         if scheme == "sqlite":
             url = cls(raw, "sqlite")

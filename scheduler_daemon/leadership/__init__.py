@@ -10,6 +10,7 @@ See docs/leadership.md for the failure matrix and the timing arithmetic.
 from __future__ import annotations
 
 import asyncio
+import os
 
 from ..config import Settings
 from ..db.base import Store
@@ -43,7 +44,11 @@ def make_guard(
     if isinstance(store, SqliteStore):
         from .sqlite_flock import FlockGuard
 
-        return FlockGuard(loop, key, store, settings, log, metrics, stop)
+        guard = FlockGuard(loop, key, store, settings, log, metrics, stop)
+        # Now, at startup: a lock file we cannot open is exit 78 naming it, not a loop
+        # retrying for ever.
+        os.close(guard.open_lock_file())
+        return guard
     assert isinstance(store, PostgresStore)
     if settings.lock.mode == "transaction":
         from .postgres_transaction import TransactionGuard

@@ -24,7 +24,7 @@ from ..config import Settings
 from ..db.sqlfiles import queries
 from ..db.sqlite import SqliteStore, SqliteTx
 from ..db.sqlite_file import real_path
-from ..errors import describe
+from ..errors import ConfigError, describe
 from ..logs import Logger
 from .base import GuardBase, LeaseState, Stopping
 
@@ -67,10 +67,23 @@ class FlockGuard(GuardBase[SqliteStore]):
     def _identity(self) -> tuple[str, int]:
         return (self.settings.instance_id, os.getpid())
 
+    def open_lock_file(self) -> int:
+        """The lock file's descriptor, created if missing. One this process cannot open
+        (permissions, a directory in its place) is :class:`ConfigError`, naming the path:
+        no retry fixes it. The daemon opens it once at startup, so that exits 78."""
+        try:
+            # O_CLOEXEC: a child process (a plugin's subprocess) must not inherit the lock.
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise ConfigError(
+                f"lock file {self.path} (for the {self.loop} loop): cannot open it for "
+                f"writing: {exc.strerror}; it must be a file this user (uid {os.geteuid()}) "
+                "may read and write, next to the database"
+            ) from None
+
     @asynccontextmanager
     async def leadership(self) -> AsyncIterator[FlockLease]:
-        # O_CLOEXEC: a child process (a plugin's subprocess) must not inherit the lock.
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = self.open_lock_file()
         try:
             await self._acquire(fd)
             async with self.store.write_transaction() as conn:

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from ..aio import wait_any
 from ..db.postgres import PostgresStore
 from ..db.sqlfiles import queries
+from ..errors import describe
 from ..logs import Logger
 from ..metrics import Metrics
 
@@ -54,7 +55,7 @@ class StallWatchdog:
                 try:
                     await self.check(loop, key)
                 except Exception as exc:  # the database may be down; the guards cope
-                    self.log.debug("watchdog.check_failed", loop=loop, error=repr(exc))
+                    self.log.debug("watchdog.check_failed", loop=loop, error=describe(exc))
 
     async def check(self, loop: str, key: int) -> int:
         rows = await self.store.pool.fetch(Q["evict_stalled"], loop, key, self.stall_timeout)

@@ -101,8 +101,10 @@ class LoopRunner:
                 self.log.warning("leader.stepped_down", reason=lost.reason)
             except Exception as exc:  # the database is unreachable, restarting, …
                 self.log.warning("loop.db_error", error=describe(exc))
-            # Back to standby after a pause, so a flapping database is not hammered.
-            await self._sleep(backoff.next_delay(), lease=None)
+            # Back to standby after a pause, so a flapping database is not hammered. Only a
+            # stop cuts it short: a wake-up (a plugin run that ended with the lease) is for a
+            # leader's next tick, and would turn the pause into a busy loop of errors.
+            await wait_any([self.stop], backoff.next_delay())
         self.log.info("loop.stopped")
 
     async def _lead(self, lease: Lease) -> None:
@@ -135,6 +137,5 @@ class LoopRunner:
             tick.log.debug("tick.done", result=result, duration=round(elapsed, 4), next_in=delay)
             await self._sleep(self.interval if delay is None else min(delay, self.interval), lease)
 
-    async def _sleep(self, seconds: float, lease: Lease | None) -> None:
-        events = [self.stop, self._wake] + ([lease.lost] if lease else [])
-        await wait_any(events, seconds)
+    async def _sleep(self, seconds: float, lease: Lease) -> None:
+        await wait_any([self.stop, self._wake, lease.lost], seconds)

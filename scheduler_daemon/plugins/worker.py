@@ -584,7 +584,8 @@ def _call(blob: bytes, cancelled: threading.Event) -> dict[str, Any]:
     try:
         job: WorkerJob = pickle.loads(blob)  # imports the target: may fail, reported
         configure_logging(
-            LogSettings.model_validate({"format": job.log_format, "level": job.log_level})
+            LogSettings.model_validate({"format": job.log_format, "level": job.log_level}),
+            instance=job.instance,
         )
         ctx = TaskContext(
             name=job.name,

@@ -31,7 +31,7 @@ def build_publishers(settings: Settings, backend: str) -> list[Publisher]:
                 raise ConfigError("publish.sql.mode: 'batch' needs PostgreSQL; use 'row'")
             publishers.append(SqlPublisher(settings.publish.sql))
         elif name == "webhook":
-            publishers.append(WebhookPublisher())
+            publishers.append(WebhookPublisher(settings.publish.webhook))
         elif name in plugins:
             try:
                 factory = plugins[name].load()

@@ -9,10 +9,14 @@ exponential backoff, or — after ``max_attempts`` — failed, which also marks 
 publication ``failed`` with the last error.
 
 Delivery is at-least-once (a leader can die after the POST and before recording it). The
-receiver deduplicates on the ``Idempotency-Key`` header, which is the publication id, and
-verifies ``X-Scheduler-Signature: t=<unix time>,v1=<hex HMAC-SHA256(secret, "<t>.<body>")>``
-with :func:`verify`, which also refuses a timestamp outside its tolerance window (a
-replayed request).
+receiver deduplicates on the publication id (``webhook-id``, also ``Idempotency-Key``) and
+verifies the request the Standard Webhooks way (https://www.standardwebhooks.com/), with
+any of its libraries: ``webhook-signature: v1,<base64 HMAC-SHA256(key,
+"<webhook-id>.<webhook-timestamp>.<body>")>``. The key is the configured secret: in the
+spec's ``whsec_<base64>`` form its decoded bytes, in any other form (a plain string, as
+before) its UTF-8 bytes. The older ``X-Scheduler-Signature: t=<unix time>,v1=<hex
+HMAC-SHA256(key, "<t>.<body>")>`` is still sent, with the same key, for receivers that
+check it with :func:`verify`; it is deprecated.
 
 Redirects are never followed: aiohttp would turn a 301/302 into a body-less GET whose 2xx
 looks like a delivery. A 3xx is a failed attempt, retried like any other, whose error
@@ -22,6 +26,8 @@ names the status and the ``Location`` (scheme and host only: it may carry a toke
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hashlib
 import hmac
 import json
@@ -35,14 +41,14 @@ import aiohttp
 
 from .. import __version__
 from ..aio import unless_set, wait_any
-from ..config import WebhookPublisherSettings, redact_webhook_url
+from ..config import WebhookPublisherSettings
 from ..db.base import Tx
 from ..db.connect import Backoff
-from ..db.url import REDACTED
-from ..errors import describe
+from ..errors import ConfigError, describe
 from ..leadership import LeadershipLost, Lease, NotLeader
 from ..logs import Logger
 from ..metrics import Metrics
+from ..redact import REDACTED, redact_webhook_url
 from .base import Published
 
 IDLE_RECHECK = 30.0  # also picks up rows a previous leader left pending
@@ -53,8 +59,54 @@ SIGNATURE_TOLERANCE = 300.0
 _MAX_TIMESTAMP_DIGITS = 12
 
 
+# The Standard Webhooks secret form: "whsec_" then the key, base64-encoded.
+WHSEC_PREFIX = "whsec_"
+
+
+def webhook_key(secret: str) -> bytes:
+    """The HMAC key a configured ``publish.webhook.secret`` stands for: the decoded bytes
+    of a ``whsec_<base64>`` secret (what Standard Webhooks libraries take), else the
+    secret's own UTF-8 bytes (a plain string, the form before ``whsec_`` was accepted).
+
+    So a plain secret ``S`` and ``whsec_`` + base64(``S``) are the same key, and a receiver
+    given either form verifies the same signatures. Raises ValueError (without quoting
+    the secret) for a ``whsec_`` secret that is not base64, or an empty key.
+    """
+    if secret.startswith(WHSEC_PREFIX):
+        encoded = secret[len(WHSEC_PREFIX) :].strip()
+        try:  # padding is optional, as the spec's own libraries allow
+            key = base64.b64decode(encoded + "=" * (-len(encoded) % 4), validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("a whsec_ secret must be base64 after the prefix") from None
+    else:
+        key = secret.encode()
+    if not key:
+        raise ValueError("the secret is empty")
+    return key
+
+
+def standard_signature(key: bytes, message_id: str, timestamp: int, body: bytes) -> str:
+    """The ``webhook-signature`` value (Standard Webhooks, scheme v1): ``v1,<base64
+    HMAC-SHA256(key, "<id>.<timestamp>.<body>")>``."""
+    signed = f"{message_id}.{timestamp}.".encode() + body
+    mac = hmac.new(key, signed, hashlib.sha256).digest()
+    return f"v1,{base64.b64encode(mac).decode()}"
+
+
+def signature_headers(key: bytes, message_id: str, body: bytes, timestamp: int) -> dict[str, str]:
+    """Every signature header of one request: Standard Webhooks' three, and the
+    deprecated ``X-Scheduler-Signature`` (same key, same timestamp)."""
+    return {
+        "webhook-id": message_id,
+        "webhook-timestamp": str(timestamp),
+        "webhook-signature": standard_signature(key, message_id, timestamp, body),
+        "X-Scheduler-Signature": sign(key, body, timestamp),
+    }
+
+
 def sign(secret: bytes, body: bytes, timestamp: int) -> str:
-    """The ``X-Scheduler-Signature`` value: ``t=<timestamp>,v1=<hex HMAC-SHA256>``."""
+    """The deprecated ``X-Scheduler-Signature`` value: ``t=<timestamp>,v1=<hex
+    HMAC-SHA256(secret, "<timestamp>.<body>")>`` (``secret``: the key bytes)."""
     mac = hmac.new(secret, f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
     return f"t={timestamp},v1={mac}"
 
@@ -62,7 +114,9 @@ def sign(secret: bytes, body: bytes, timestamp: int) -> str:
 def verify(
     secret: bytes, body: bytes, header: str, *, tolerance: float = SIGNATURE_TOLERANCE
 ) -> bool:
-    """What a receiver does (and what the tests do): True only if `header` is a well-formed
+    """How a receiver checks the deprecated ``X-Scheduler-Signature`` (new receivers use a
+    Standard Webhooks library on ``webhook-signature`` instead). `secret` is the key bytes
+    (:func:`webhook_key`). True only if `header` is a well-formed
     ``t=<unix time>,v1=<hex>`` whose timestamp is within `tolerance` seconds of this
     machine's clock (past or future: an old request is a replay) and one of whose ``v1``
     MACs matches `body` under `secret` (compared in constant time). Anything malformed is
@@ -100,6 +154,16 @@ def verify(
 class WebhookPublisher:
     name = "webhook"
 
+    def __init__(self, settings: WebhookPublisherSettings | None = None) -> None:
+        """Checks the secret's form when the publishers are built (the daemon's start,
+        ``check-config``): a bad one is a configuration error, exit 78."""
+        secret = None if settings is None else settings.secret
+        if secret is not None:
+            try:
+                webhook_key(secret.get_secret_value())
+            except ValueError as exc:
+                raise ConfigError(f"publish.webhook.secret: {exc}") from None
+
     async def publish(self, tx: Tx, rows: Sequence[Published]) -> None:
         await tx.fetch("outbox_add", [row.id for row in rows])
 
@@ -110,7 +174,7 @@ class WebhookDeliverer:
         assert settings.secret is not None
         self.settings = settings
         self.url = settings.url.get_secret_value()
-        self.secret = settings.secret.get_secret_value().encode()
+        self.key = webhook_key(settings.secret.get_secret_value())
         self.metrics = metrics
         self.log = log
         self.poke = asyncio.Event()
@@ -195,7 +259,9 @@ class WebhookDeliverer:
             # Grows with every change of publish leader: a receiver that remembers the
             # largest it has seen can refuse a replaced leader's late request.
             "X-Scheduler-Fencing-Token": str(fencing_token),
-            "X-Scheduler-Signature": sign(self.secret, body, int(time.time())),
+            # webhook-id is the publication id: the same message on every attempt, as the
+            # spec asks, so a receiver's deduplication on it works across retries.
+            **signature_headers(self.key, str(published.id), body, int(time.time())),
         }
         try:
             # Never follow a redirect: a 301/302 would become a GET without the body, and
