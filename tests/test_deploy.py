@@ -1,10 +1,10 @@
-"""The deployment artefacts, checked by the tools that consume them (systemd-analyze,
-hadolint, Docker Compose) where those run here, and the compose service run for real:
-three replicas with exactly its environment and command, against PostgreSQL.
+"""The deployment artefacts, checked by the tools that consume them: systemd-analyze,
+hadolint, Docker Compose's own validation, and the unit's, Dockerfile's and compose
+file's contracts (entrypoint, healthcheck, user, restart policy, preflight).
 
-There is no container engine on the test machines, so the image itself is never built
-here: the Dockerfile is linted and its contract (entrypoint, healthcheck, user, env)
-checked statically, and its healthcheck command is run against a real server.
+These run everywhere, engine or not. The artefacts are also run for real on a Docker
+engine: the image and the compose stack in tests/test_docker.py, the unit under systemd
+in tests/test_systemd.py.
 """
 
 from __future__ import annotations
@@ -15,17 +15,15 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 from rig.metricnames import daemon_metrics, exposed_name
-from rig.processes import CLI, Daemons, run_cli
+from rig.processes import CLI
 from rig.tools import find_tool
 
 from scheduler_daemon.config import Settings, parse_duration
@@ -369,68 +367,6 @@ def test_compose_validation_rejects_a_broken_file(tmp_path: Path) -> None:
     result = compose(tmp_path, "config", "--quiet", file=broken)
     assert result.returncode != 0
     assert "restrat" in result.stderr
-
-
-def test_compose_replicas_elect_one_leader_per_loop(
-    daemons: Daemons, pg_url: str, tmp_path: Path
-) -> None:
-    """`docker compose up --scale scheduler=3`, minus the containers.
-
-    Each replica gets the image's SCHEDULER_* environment, then the service's, and runs
-    the image's ENTRYPOINT with the service's command. Three substitutions, because the
-    replicas share this machine instead of a compose network: the database URL points at
-    the test's PostgreSQL, and the HTTP server listens on 127.0.0.1 on a port of its own.
-    """
-    service = compose_config(tmp_path)["services"]["scheduler"]
-    image = final_stage()
-    assert json.loads(image.last("ENTRYPOINT")) == ["scheduler-daemon"]  # = rig's CLI
-    command: list[str] = service["command"] or json.loads(image.last("CMD"))
-    env = {k: v for k, v in image.env().items() if k.startswith("SCHEDULER_")}
-    env.update(service["environment"])
-    assert env["SCHEDULER_DATABASE_URL"].startswith("postgresql://")
-    env.update(
-        SCHEDULER_DATABASE_URL=pg_url,
-        SCHEDULER_HTTP__ENABLED="true",
-        SCHEDULER_HTTP__HOST="127.0.0.1",
-        SCHEDULER_HTTP__PORT="0",
-    )
-    replicas = [daemons.start(env, args=command, name=f"scheduler-{n}") for n in (1, 2, 3)]
-    instances = {r.wait_for_log("daemon.started", timeout=60)["instance"] for r in replicas}
-    assert len(instances) == 3
-
-    loops = wait_for_leaders(pg_url, standbys=2, timeout=30)
-    for loop in ("publish", "plugin"):
-        leader = loops[loop]["leader"]["instance"]
-        assert leader in instances
-        assert {s["instance"] for s in loops[loop]["standbys"]} == instances - {leader}
-    # By the replicas' own account too: one acquisition per loop, cluster-wide.
-    acquired = sorted(
-        event["loop"]
-        for replica in replicas
-        for event in replica.log_events()
-        if event["event"] == "leader.acquired"
-    )
-    assert acquired == ["plugin", "publish"]
-
-    for replica in replicas:
-        replica.signal(signal.SIGTERM)
-    assert [replica.wait(DEFAULT_SHUTDOWN_TIMEOUT + 15) for replica in replicas] == [0, 0, 0]
-
-
-def wait_for_leaders(pg_url: str, standbys: int, timeout: float) -> dict[str, Any]:
-    """`scheduler-daemon status --json`, once every loop has a leader and its standbys."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = run_cli(["status", "--json"], {"SCHEDULER_DATABASE_URL": pg_url})
-        assert result.returncode == 0, result.stderr
-        loops: dict[str, Any] = json.loads(result.stdout)["loops"]
-        if all(
-            info["leader"] is not None and len(info["standbys"]) == standbys
-            for info in loops.values()
-        ):
-            return loops
-        assert time.monotonic() < deadline, f"no stable leadership after {timeout}s: {loops}"
-        time.sleep(0.2)
 
 
 # -- Kubernetes and the operations page ---------------------------------------------------

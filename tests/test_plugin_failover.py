@@ -193,5 +193,5 @@ async def check_runs(pg_url: str, duration: float, abandoned: int) -> None:
 
 
 async def test_leader_killed_then_next_leader_stopped(pg_url: str, daemons: Daemons) -> None:
-    """~20 s: SIGKILL the first leader mid-run, SIGSTOP the second mid-run, SIGCONT it."""
-    await run_failover(pg_url, daemons, duration=18.0, stop_leader=True)
+    """~13 s: SIGKILL the first leader mid-run, SIGSTOP the second mid-run, SIGCONT it."""
+    await run_failover(pg_url, daemons, duration=12.0, stop_leader=True)
