@@ -38,6 +38,7 @@ RUN python3 -c "import importlib.util as u, pathlib, shutil, sys; \
  for p in pathlib.Path(d).iterdir() if p.is_dir() and p.name.split('-')[0] in \
  ('pip', 'setuptools', 'wheel', 'pkg_resources', '_distutils_hack')]" \
     && rm -f /usr/local/bin/pip* /usr/bin/pip* \
+       /usr/local/lib/python3*/site-packages/distutils-precedence.pth \
     && ! python3 -c "import pip" 2>/dev/null
 # A fixed uid, so volume ownership and Kubernetes' runAsNonRoot checks are predictable.
 RUN groupadd --system --gid 10001 scheduler \

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 import sys
 import traceback
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -32,11 +33,11 @@ from .errors import (
     InvalidInput,
     NotFound,
     SchedulerError,
-    SchemaMissing,
     describe,
 )
 from .logs import configure_logging, get_logger
 from .output import dumps, json_row, json_rows
+from .redact import redact
 from .signals import stop_on_signals
 from .status import collect_status, render_status
 
@@ -76,7 +77,7 @@ def _explain(exc: Exception) -> SchedulerError:
         if explained is not None:
             return explained
     if settings is not None and settings.log.level == "debug":
-        traceback.print_exception(exc)
+        click.echo(redact("".join(traceback.format_exception(exc))), err=True, nl=False)
     hint = "a bug; SCHEDULER_LOG__LEVEL=debug prints the traceback"
     return InternalError(f"internal error ({hint}): {describe(exc)}")
 
@@ -90,6 +91,11 @@ def handles_errors(command: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
+        except BrokenPipeError:
+            # `scheduler-daemon publications list | head`: the reader is gone, which is no
+            # error worth a line. stdout goes to /dev/null so the exit flush cannot fail.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
         except SchedulerError as error:
             _fail(error)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
@@ -199,19 +205,9 @@ def migrate(config_file: Path | None) -> None:
 
 @cli.command("check-config")
 @config_option
-@click.option(
-    "--connect",
-    "and_connect",
-    is_flag=True,
-    help="Also log in to the database: exit 78 if it refuses the login, 69 if unreachable.",
-)
 @handles_errors
-def check_config(config_file: Path | None, and_connect: bool) -> None:
-    """Validate and print the effective config (secrets redacted); exit 78 if invalid.
-
-    With --connect this is a preflight for a supervisor that cannot be told "do not
-    restart on 78" (Docker Compose): run it once, and start replicas only if it passed.
-    """
+def check_config(config_file: Path | None) -> None:
+    """Validate and print the effective config (secrets redacted); exit 78 if invalid."""
     # Imported here, like the daemon in `run`: publishers bring in aiohttp, plugin tasks
     # their targets, which the short-lived commands (status, schedule, tasks) never need.
     from .plugins.builtin import builtin_tasks
@@ -226,20 +222,22 @@ def check_config(config_file: Path | None, and_connect: bool) -> None:
         {"name": t.name, "schedule": t.schedule.describe(), "source": t.source} for t in tasks
     ]
     click.echo(json.dumps(report, indent=2))
-    if and_connect:
 
-        async def main() -> int | None:
-            try:
-                async with _store(settings) as store:
-                    return await store.schema_version()
-            except SchemaMissing:
-                if settings.database_url.backend != "sqlite":
-                    raise
-                # No file yet, in a directory we may write to: `run` will create it.
-                return None
 
-        version = _run(main())
-        click.echo(f"database login ok, schema version {version}", err=True)
+@cli.command()
+@config_option
+@handles_errors
+def preflight(config_file: Path | None) -> None:
+    """Check all that `run` checks before starting its loops, migrating included; exit 0,
+    or with the code `run` would exit with. A one-shot step before replicas start."""
+    from .daemon import Daemon
+
+    settings = _settings(config_file)
+    daemon = Daemon(settings, get_logger(instance=settings.instance_id))
+    version = _run(daemon.preflight())
+    click.echo(
+        f"preflight passed: configuration valid, database login ok, schema version {version}"
+    )
 
 
 def parse_when(text: str, now: datetime | None = None, option: str = "--at") -> datetime:

@@ -111,9 +111,6 @@ class Client:
         finally:
             await store.close()
 
-    def encode_payload(self, payload: Any) -> str:
-        return encode_payload(payload, self.max_payload_bytes)
-
     async def schedule(
         self, at: datetime, payload: Any = None, key: str | None = None
     ) -> ScheduleResult:

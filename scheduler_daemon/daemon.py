@@ -118,10 +118,56 @@ class Daemon:
                 raise
             return EXIT_FORCED
 
-    async def _run(self) -> int:
+    async def preflight(self) -> int | None:
+        """Everything `run` checks before its loops start, and nothing more: the task
+        declarations and publishers, the database login, the lock mode, the migrations
+        and the lock files. Raises what `run` would exit with; returns the schema version.
+
+        For a supervisor that cannot be told "do not restart on 78" (Docker Compose):
+        run this once, and start the replicas only if it passed.
+        """
+        self._validate_config()
+        store = await connect(self.settings, self.log)
+        try:
+            await self._prepare(store)
+            for name in self.enabled_loops():
+                make_guard(
+                    name,
+                    self._lock_key(name),
+                    store,
+                    self.settings,
+                    self.log,
+                    self.metrics,
+                    self.stopping,
+                )
+            return await store.schema_version()
+        finally:
+            await store.close()
+
+    def _validate_config(self) -> None:
         # Task declarations are config: validate them (exit 78) before touching the database.
         self._tasks = load_tasks(self.settings, builtin_tasks(self.settings))
         self._publishers = build_publishers(self.settings, self.settings.database_url.backend)
+
+    async def _prepare(self, store: db.Store) -> None:
+        """The schema up to date on a connection that can hold our locks."""
+        # Before anything else talks to it: behind a transaction pooler even the
+        # migration could fail in confusing ways.
+        await self._refuse_unsafe_lock_mode(store)
+        self._starting("migrating")
+        # The database may still be settling (a container's init restarts it once).
+        applied = await within_startup_budget(
+            store.migrate, self.settings, self.log, failed_event="db.migrate_failed"
+        )
+        self.log.info(
+            "db.migrated",
+            backend=store.backend,
+            applied=[m.version for m in applied],
+            version=await store.schema_version(),
+        )
+
+    async def _run(self) -> int:
+        self._validate_config()
         async with AsyncExitStack() as stack:
             # First in, last out: the watchdog pings from startup (connecting may take
             # longer than WatchdogSec) until the very end of the shutdown.
@@ -137,20 +183,7 @@ class Daemon:
             if self.http is not None:
                 # Unwound just before store.close: no probe asks a closing store.
                 stack.callback(self.http.detach)
-            # Before anything else talks to it: behind a transaction pooler even the
-            # migration could fail in confusing ways.
-            await self._refuse_unsafe_lock_mode(store)
-            self._starting("migrating")
-            # The database may still be settling (a container's init restarts it once).
-            applied = await within_startup_budget(
-                store.migrate, self.settings, self.log, failed_event="db.migrate_failed"
-            )
-            self.log.info(
-                "db.migrated",
-                backend=store.backend,
-                applied=[m.version for m in applied],
-                version=await store.schema_version(),
-            )
+            await self._prepare(store)
             self.metrics.database_up.set(1)
             self._starting("starting the loops")
             await self._start_workers(stack)

@@ -224,7 +224,7 @@ class HttpServer:
             )
         except Exception as exc:  # unreachable, restarting, auth revoked, ...
             self.metrics.database_up.set(0)
-            return Readiness(False, f"database: {describe(exc)}", None, expected)
+            return Readiness(False, self._database_failed(exc), None, expected)
         self.metrics.database_up.set(1)
         if version != expected:
             reason = f"schema at version {version}, this build expects {expected}"
@@ -261,13 +261,23 @@ class HttpServer:
         except TimeoutError:
             return _error(503, f"database did not answer within {STATUS_TIMEOUT:g}s")
         except Exception as exc:
-            return _error(503, f"database: {describe(exc)}")
+            return _error(503, self._database_failed(exc))
         if not self.settings.http.status_detail:
             # Anyone who can reach the port reads this: no database URL, host names, pids
             # or client addresses unless the operator opted in (docs/operations.md).
             report = summarize(report)
         report["replica"] = replica_status(self.settings, self.metrics)
         return web.json_response(report, dumps=json.dumps)
+
+    def _database_failed(self, exc: Exception) -> str:
+        """The reason a probe gives. A driver's message names users, hosts and addresses,
+        which the network sees only with http.status_detail; the debug log has it (the
+        loops report the outage itself)."""
+        detail = describe(exc)
+        self.log.debug("http.database_failed", error=detail)
+        if self.settings.http.status_detail:
+            return f"database: {detail}"
+        return f"database: {type(exc).__name__} (details in this replica's log)"
 
 
 def _error(status: int, reason: str) -> web.Response:

@@ -168,6 +168,7 @@ def test_one_shot_commands_exit_69_when_the_database_is_down(
 # Every command that connects; `run` goes through the daemon (HTTP off, see DEFAULT_ENV).
 CONNECTING_COMMANDS = [
     ["run"],
+    ["preflight"],
     ["migrate"],
     ["status", "--json"],
     ["schedule", "--at", "+1h"],
@@ -495,28 +496,37 @@ def test_a_transient_migration_failure_is_retried(daemons: Daemons, pg_empty_url
 @pytest.mark.parametrize(
     "url_fixture", ["sqlite_empty_url", pytest.param("pg_empty_url", marks=pytest.mark.postgres)]
 )
-def test_check_config_connect_logs_in_to_an_unmigrated_database(
+def test_preflight_checks_and_migrates_like_run(
     request: pytest.FixtureRequest, url_fixture: str, tmp_path: Path
 ) -> None:
-    """The compose preflight: config valid and login accepted, before any migration."""
+    """The compose preflight: what `run` checks before its loops, migrations included."""
     url: str = request.getfixturevalue(url_fixture)
-    result = run_cli(["check-config", "--connect"], {"SCHEDULER_DATABASE_URL": url}, cwd=tmp_path)
+    env = {"SCHEDULER_DATABASE_URL": url}
+    result = run_cli(["preflight"], env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "database login ok, schema version None" in result.stderr
-    assert json.loads(result.stdout)["database_url"]
+    assert "preflight passed" in result.stdout
+    assert "schema version None" not in result.stdout
+    status = run_cli(["status", "--json"], env, cwd=tmp_path)
+    assert status.returncode == 0, status.stderr  # migrated: the schema is there
 
 
-def test_check_config_connect_exits_69_when_the_database_is_unreachable(tmp_path: Path) -> None:
+def test_preflight_exits_as_run_would(tmp_path: Path) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed again at once: nothing listens there
-    env = {
+    unreachable = {
         "SCHEDULER_DATABASE_URL": f"postgresql://app@127.0.0.1:{port}/app",
-        "SCHEDULER_DATABASE__COMMAND_BUDGET": "1s",
+        "SCHEDULER_DATABASE__STARTUP_BUDGET": "1s",
     }
-    result = run_cli(["check-config", "--connect"], env, cwd=tmp_path)
+    result = run_cli(["preflight"], unreachable, cwd=tmp_path)
     assert result.returncode == 69, result.stderr
     assert "Traceback" not in result.stderr
+    config = tmp_path / "bad.toml"
+    config.write_text('[[plugin.tasks]]\nname = "x"\ntarget = "no.such:module"\nevery = "1s"\n')
+    result = run_cli(["preflight", "--config", str(config)], cwd=tmp_path)
+    assert result.returncode == 78, result.stderr
+    assert "no.such" in result.stderr
+    assert not (tmp_path / "scheduler.db").exists()  # refused before touching the database
 
 
 # -- issue 11.2: every command failure is one line and a sysexits code, never a traceback ---
@@ -575,19 +585,6 @@ def test_commands_on_an_unmigrated_postgres_database_say_run_migrate(
         assert_one_line(
             result, 66, 'schema not found (relation "scheduler_', "run `scheduler-daemon migrate`"
         )
-    # And the preflight still passes: login works, the daemon will migrate.
-    preflight = run_cli(["check-config", "--connect"], {"SCHEDULER_DATABASE_URL": pg_empty_url})
-    assert preflight.returncode == 0, preflight.stderr
-
-
-def test_check_config_connect_creates_no_sqlite_file(tmp_path: Path) -> None:
-    result = run_cli(["check-config", "--connect"], cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "database login ok, schema version None" in result.stderr
-    assert not (tmp_path / "scheduler.db").exists()
-    # `migrate` is what creates it.
-    assert run_cli(["migrate"], cwd=tmp_path).returncode == 0
-    assert (tmp_path / "scheduler.db").exists()
 
 
 @pytest.fixture
@@ -756,3 +753,13 @@ def test_a_bug_is_one_line_and_exit_70() -> None:
         "scheduler-daemon: internal error (a bug; SCHEDULER_LOG__LEVEL=debug prints the "
         "traceback): RuntimeError: something impossible\n"
     )
+
+
+def test_a_missing_sqlite_directory_is_configuration(tmp_path: Path) -> None:
+    """No restart creates the directory: 78, which supervisors do not restart (was 69)."""
+    url = f"sqlite:///{tmp_path / 'no-such-dir' / 'scheduler.db'}"
+    for args in (["run"], ["migrate"], ["status"]):
+        result = run_cli(args, {"SCHEDULER_DATABASE_URL": url}, cwd=tmp_path)
+        assert result.returncode == 78, (args, result.stderr)
+        assert "does not exist" in result.stderr
+        assert "Traceback" not in result.stderr

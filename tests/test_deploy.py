@@ -354,7 +354,7 @@ def test_compose_file_is_valid_and_scalable(tmp_path: Path) -> None:
     # environment checks config and login, and replicas start only if it passed.
     preflight = config["services"]["preflight"]
     assert scheduler["depends_on"]["preflight"]["condition"] == "service_completed_successfully"
-    assert preflight["command"] == ["check-config", "--connect"]
+    assert preflight["command"] == ["preflight"]
     assert preflight["environment"] == scheduler["environment"]
     assert preflight["restart"] == "no"
 

@@ -222,6 +222,9 @@ def test_the_image_ships_no_pip_or_setuptools(image: str) -> None:
             assert result.returncode != 0, f"{python} can import {module}"
             assert "ModuleNotFoundError" in result.stderr
     assert run_in_image(image, "-c", "command -v pip pip3", entrypoint="sh").returncode != 0
+    # Nothing half-removed: the system Python starts without complaint (no stale .pth).
+    clean = run_in_image(image, "-c", "pass", entrypoint="python3")
+    assert (clean.returncode, clean.stderr) == (0, "")
 
 
 def test_the_image_holds_exactly_the_pinned_dependencies(image: str) -> None:

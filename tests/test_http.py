@@ -218,6 +218,10 @@ async def test_readyz_follows_postgres_down_and_up(pg_url: str, pg_cluster: PgCl
         status, body, _ = await served.get("/readyz")
         assert status == 503, body
         assert json.loads(body)["reason"].startswith("database")
+        # The driver's message (host, port, user) stays in the log: the network sees this.
+        port = str(urlsplit(pg_url).port)
+        assert "127.0.0.1" not in body
+        assert port not in body
         assert database_up(served.metrics) == 0
         # The loop still answers, and no probe waits longer than the probe timeout.
         assert (await served.get("/healthz"))[0] == 200
@@ -226,6 +230,8 @@ async def test_readyz_follows_postgres_down_and_up(pg_url: str, pg_cluster: PgCl
         status, body, _ = await served.get("/status")
         assert status == 503
         assert json.loads(body)["error"].startswith("database")
+        assert "127.0.0.1" not in body
+        assert port not in body
 
         pg_cluster.start()
         slowest = await wait_for_status(served, "/readyz", 200, within=15)

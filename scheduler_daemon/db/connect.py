@@ -226,7 +226,8 @@ def explain_database_error(exc: BaseException, url: DatabaseUrl) -> SchedulerErr
         | asyncpg.TransactionRollbackError,
     ):
         return DatabaseBusy(f"{where}: {describe(exc)}; nothing was changed, try again")
-    if is_transient(exc):
+    # Not is_transient: any OSError (a full disk, a file's permissions) is no outage.
+    if is_transient_database_error(exc) or isinstance(exc, ConnectionError | TimeoutError):
         return DatabaseUnavailable(f"{where}: {describe(exc)}")
     if isinstance(exc, asyncpg.PostgresError | asyncpg.InterfaceError | sqlite3.Error):
         return DatabaseFailed(f"{where}: {describe(exc)}")

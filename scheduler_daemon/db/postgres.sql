@@ -14,8 +14,8 @@ SELECT version FROM scheduler_schema_version ORDER BY version
 INSERT INTO scheduler_schema_version (version, name) VALUES ($1, $2)
 
 -- name: schema_version
-SELECT CASE WHEN to_regclass('scheduler_schema_version') IS NULL THEN NULL
-            ELSE (SELECT max(version) FROM scheduler_schema_version) END
+-- On a database never migrated the table is missing: the store answers None for that.
+SELECT max(version) FROM scheduler_schema_version
 
 -- name: schedule
 INSERT INTO scheduler_publications (key, payload, publish_at)

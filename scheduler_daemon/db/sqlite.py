@@ -25,7 +25,7 @@ from urllib.parse import quote
 import aiosqlite
 
 from ..config import Settings
-from ..errors import ConfigError, DatabaseUnavailable, SchemaMissing
+from ..errors import ConfigError, SchemaMissing
 from .base import (
     AppliedMigration,
     Publication,
@@ -183,9 +183,9 @@ class SqliteStore:
         path = settings.database_url.sqlite_path
         assert path is not None
         if not path.parent.is_dir():
-            # Not worth retrying: no amount of waiting creates the directory.
-            raise DatabaseUnavailable(
-                f"database {settings.database_url}: directory {path.parent} does not exist"
+            # Configuration: no amount of waiting or restarting creates the directory.
+            raise ConfigError(
+                f"database_url {settings.database_url}: directory {path.parent} does not exist"
             )
         # Refuses (ConfigError, exit 78) a hard-linked file or a network filesystem.
         real = check_database_file(path)

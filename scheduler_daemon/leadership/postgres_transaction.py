@@ -149,7 +149,9 @@ class TransactionLease(LeaseState):
     async def transaction(self) -> AsyncIterator[PgTx]:
         async with self.guard.store.pool.acquire() as conn, conn.transaction():
             await self.guard.begin(conn)
-            yield PgTx(conn, await self.guard.compete(conn))
+            # The token of the transaction that won last: the Lease's live token.
+            self.fencing_token = await self.guard.compete(conn)
+            yield PgTx(conn, self.fencing_token)
 
     @asynccontextmanager
     async def hold(self) -> AsyncIterator[Lease]:

@@ -38,6 +38,7 @@ from typing import Any
 from urllib.parse import urljoin
 
 import aiohttp
+import yarl
 
 from .. import __version__
 from ..aio import unless_set, wait_any
@@ -283,9 +284,12 @@ class WebhookDeliverer:
                     return f"HTTP {status}: redirect to {target} not followed"
                 return f"HTTP {status}"
         except (aiohttp.ClientError, TimeoutError) as exc:
-            # Some aiohttp errors quote the URL, whose path may carry a token.
+            # Some aiohttp errors quote the URL, whose path may carry a token: as given,
+            # or as yarl normalised it (percent-encoding, default port dropped, ...).
             error = describe(exc)
-            return error.replace(self.url, redact_webhook_url(self.url))
+            for spelling in {self.url, str(yarl.URL(self.url))}:
+                error = error.replace(spelling, redact_webhook_url(self.url))
+            return error
 
     async def _record(self, tx: Tx, row: dict[str, Any], error: str | None) -> None:
         publication_id, attempts = row["id"], row["attempts"] + 1
