@@ -263,12 +263,8 @@ def parse_when(text: str, now: datetime | None = None, option: str = "--at") -> 
 
 
 def _describe(publication: Publication) -> dict[str, Any]:
-    return {
-        "id": publication.id,
-        "key": publication.key,
-        "status": publication.status,
-        "publish_at": publication.publish_at.isoformat(),
-    }
+    row = json_row(publication)
+    return {column: row[column] for column in ("id", "key", "status", "publish_at")}
 
 
 @cli.command()

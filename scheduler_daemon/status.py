@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import fcntl
 import os
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from .config import Settings
 from .db.base import Store
 from .db.sqlfiles import queries
 from .leadership.sqlite_flock import lock_path
+from .output import json_value
 
 if TYPE_CHECKING:  # the CLI imports this module; it has no use for prometheus_client
     from .metrics import Metrics
@@ -36,10 +36,6 @@ def instance_from_application_name(name: str | None) -> str | None:
     return name[len(APP_PREFIX) :].rsplit("/", 1)[0]
 
 
-def _iso(value: datetime | None) -> str | None:
-    return value.isoformat() if value else None
-
-
 def _loop_keys(settings: Settings) -> dict[str, int]:
     return {"publish": settings.lock.keys.publish, "plugin": settings.lock.keys.plugin}
 
@@ -52,7 +48,7 @@ async def collect_status(store: Store, settings: Settings) -> dict[str, Any]:
     else:
         loops = await _sqlite_loops(store, settings)
     loops["publish"]["backlog"] = stats.due
-    loops["publish"]["next_due"] = _iso(stats.next_due)
+    loops["publish"]["next_due"] = json_value(stats.next_due)
     return {
         "database": str(settings.database_url),
         "backend": store.backend,
@@ -61,7 +57,7 @@ async def collect_status(store: Store, settings: Settings) -> dict[str, Any]:
         "publications": {
             "scheduled": stats.scheduled,
             "due": stats.due,
-            "next_due": _iso(stats.next_due),
+            "next_due": json_value(stats.next_due),
         },
         "loops": loops,
     }
@@ -88,13 +84,13 @@ async def _postgres_loops(store: Store, settings: Settings) -> dict[str, dict[st
                 leader = who | {
                     "host": row["hostname"],
                     "pid": row["os_pid"],
-                    "since": _iso(row["acquired_at"]),
-                    "last_heartbeat": _iso(row["heartbeat_at"]),
+                    "since": json_value(row["acquired_at"]),
+                    "last_heartbeat": json_value(row["heartbeat_at"]),
                     "heartbeat_age": row["heartbeat_age"],
                     "fencing_token": row["fencing_token"],
                 }
             else:
-                standbys.append(who | {"connected_since": _iso(row["backend_start"])})
+                standbys.append(who | {"connected_since": json_value(row["backend_start"])})
         loops[loop] = {
             "lock_key": key,
             "leader": leader,
@@ -120,8 +116,8 @@ async def _sqlite_loops(store: Store, settings: Settings) -> dict[str, dict[str,
                 "instance": row["instance"],
                 "host": row["hostname"],
                 "pid": row["pid"],
-                "since": _iso(row["acquired_at"]),
-                "last_heartbeat": _iso(row["heartbeat_at"]),
+                "since": json_value(row["acquired_at"]),
+                "last_heartbeat": json_value(row["heartbeat_at"]),
                 "heartbeat_age": row["heartbeat_age"],
                 "fencing_token": row["fencing_token"],
             }
