@@ -274,6 +274,35 @@ class SqliteStore:
             row: sqlite3.Row | None = await cursor.fetchone()
             return row
 
+    def files_changed_marker(self) -> tuple[int, ...]:
+        """The database file's and its WAL's size and mtime: a change that costs a
+        ``stat`` to notice (every commit, ours included, writes the WAL), to be confirmed
+        with :meth:`data_version` only when it moved."""
+        marker: list[int] = []
+        file = self.path
+        for path in (file, file.with_name(file.name + "-wal")):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                marker += [0, 0]
+            else:
+                marker += [st.st_size, st.st_mtime_ns]
+        return tuple(marker)
+
+    async def data_version(self) -> int:
+        """SQLite's ``PRAGMA data_version`` on our connection: it changes when another
+        connection (another process) commits, never for our own commits. Cheap: it reads
+        the WAL index in shared memory, no page of the database."""
+        row = await self._fetchone("PRAGMA data_version")
+        assert row is not None
+        return int(row[0])
+
+    async def next_due_in(self) -> float | None:
+        """Seconds until the earliest scheduled publication (negative: due), by the
+        database's clock; None if nothing is scheduled."""
+        row = await self._fetchone(Q["next_due_in"])
+        return None if row is None or row["seconds"] is None else float(row["seconds"])
+
     async def schema_version(self) -> int | None:
         exists = await self._fetchone(
             "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",

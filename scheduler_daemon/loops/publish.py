@@ -9,8 +9,10 @@ leader lost its session, nothing of the batch commits, and the next leader publi
 Timing: the tick returns how long until the earliest scheduled row, so the leader sleeps
 exactly until then (capped by ``interval``). On PostgreSQL a LISTEN connection, fed by a
 statement trigger on the table, wakes it when a row is scheduled sooner than that —
-whoever wrote it (the CLI, the API, plain SQL). On SQLite, external writers are picked up
-by the interval.
+whoever wrote it (the CLI, the API, plain SQL). SQLite has no NOTIFY: the leader watches
+its files (a ``stat``) every ``SQLITE_WATCH_INTERVAL``; when they moved it asks
+``PRAGMA data_version``, which moves only when another process committed, and only then
+looks at the earliest row.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import Settings
 from ..db.base import Store, Tx
@@ -32,8 +34,14 @@ from ..publishers import Published, Publisher
 from ..publishers.webhook import WebhookDeliverer
 from .base import Tick
 
+if TYPE_CHECKING:
+    from ..db.sqlite import SqliteStore
+
 WAKE_CHANNEL = "scheduler_publications_due"
 LISTEN_RETRY = 30.0
+# How often the SQLite leader looks for other processes' commits: the bound on its
+# short-notice lateness, for one cheap pragma (no page read) per look.
+SQLITE_WATCH_INTERVAL = 0.1
 LOCKED_ROWS_RETRY = 0.5
 # A batch that a transient database error (deadlock, lock or statement timeout, …) rolled
 # back this many times in a row is run row by row, where such an error fails its row.
@@ -61,6 +69,7 @@ class PublishWork:
         self._listener: Any = None  # asyncpg connection with the LISTEN
         self._deliverer: WebhookDeliverer | None = None
         self._delivering: asyncio.Task[None] | None = None
+        self._watching: asyncio.Task[None] | None = None  # SQLite: the commit watcher
         self._listen_retry_at = 0.0
         self._planned_wake = float("inf")  # time.time() of the next planned tick
         self._db_clock_offset = 0.0  # database clock minus ours, measured each tick
@@ -189,6 +198,33 @@ class PublishWork:
             self._delivering = lease.spawn(self._deliverer.run(lease), name="publish:webhooks")
         self._listen_retry_at = 0.0
         await self._ensure_listener()
+        from ..db.sqlite import SqliteStore
+
+        if isinstance(self.store, SqliteStore):
+            self._watching = lease.spawn(self._watch_commits(self.store), name="publish:watch")
+
+    async def _watch_commits(self, store: SqliteStore) -> None:
+        """Wake the leader when another process scheduled a row due before the planned
+        tick: SQLite's stand-in for the LISTEN below."""
+        seen: int | None = None
+        files: tuple[int, ...] | None = None
+        while True:
+            try:
+                # A stat on the event loop is nearly free; the pragma goes through the
+                # connection's thread, so it is asked only when the files moved.
+                now_files = store.files_changed_marker()
+                if now_files != files:
+                    files = now_files
+                    version = await store.data_version()
+                    if seen is not None and version != seen:
+                        seconds = await store.next_due_in()
+                        if seconds is not None and time.time() + seconds < self._planned_wake:
+                            self._planned_wake = time.time() + max(seconds, 0.0)
+                            self.wake()
+                    seen = version
+            except Exception as exc:  # the tick reports database trouble; this only waits
+                self.log.debug("publish.watch_failed", error=describe(exc))
+            await asyncio.sleep(SQLITE_WATCH_INTERVAL)
 
     async def _ensure_listener(self) -> None:
         """Keep a LISTEN connection while leading (PostgreSQL); reopen it if it died, at
@@ -236,6 +272,9 @@ class PublishWork:
         if self._listener is not None:
             self._listener.terminate()
             self._listener = None
+        if self._watching is not None:
+            self._watching.cancel()  # work of the lease: the guard waits for it to end
+            self._watching = None
 
     def _deliverer_ended(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and (error := task.exception()) is not None:
