@@ -59,13 +59,13 @@ async def fresh_database(admin_dsn: str, name: str) -> str:
     return dsn
 
 
-def start_daemon(dsn: str, workdir: Path) -> subprocess.Popen[bytes]:
+def start_daemon(dsn: str, workdir: Path, interval: str = "1s") -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SCHEDULER_")}
     env |= {
         "SCHEDULER_DATABASE_URL": dsn,
         "SCHEDULER_HTTP__ENABLED": "false",
         "SCHEDULER_LOG__LEVEL": "warning",
-        "SCHEDULER_PUBLISH__INTERVAL": "1s",
+        "SCHEDULER_PUBLISH__INTERVAL": interval,
     }
     workdir.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(
