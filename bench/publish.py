@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from datetime import UTC, datetime
 from pathlib import Path
@@ -271,28 +272,39 @@ def report(results: dict[str, Any]) -> str:
     )
 
 
-def main() -> None:
-    workdir = RESULTS / ".work"
-    with ExitStack() as stack:
-        admin_dsn = os.environ.get("SCHEDULER_BENCH_DATABASE_URL")
-        if not admin_dsn:
-            bindir = find_pg_bindir()
-            if bindir is None:
-                sys.exit("bench: no PostgreSQL binaries and SCHEDULER_BENCH_DATABASE_URL unset")
-            # Durable, as in production: the test rig turns fsync off for speed, which
-            # would hide what a commit per row really costs.
-            durable = {"fsync": "on", "full_page_writes": "on", "synchronous_commit": "on"}
-            admin_dsn = stack.enter_context(PgCluster(bindir, settings=durable)).dsn()
-        results = asyncio.run(run(admin_dsn, workdir))
+def admin_dsn(stack: ExitStack) -> str:
+    """SCHEDULER_BENCH_DATABASE_URL, or a throwaway cluster that `stack` stops."""
+    dsn = os.environ.get("SCHEDULER_BENCH_DATABASE_URL")
+    if dsn:
+        return dsn
+    bindir = find_pg_bindir()
+    if bindir is None:
+        sys.exit("bench: no PostgreSQL binaries and SCHEDULER_BENCH_DATABASE_URL unset")
+    # Durable, as in production: the test rig turns fsync off for speed, which would hide
+    # what a commit per row really costs.
+    durable = {"fsync": "on", "full_page_writes": "on", "synchronous_commit": "on"}
+    return stack.enter_context(PgCluster(bindir, settings=durable)).dsn()
+
+
+def save_results(
+    name: str, results: dict[str, Any], report: Callable[[dict[str, Any]], str]
+) -> None:
+    """Stamp date and machine, write bench/results/<name>.json and .md, print the table."""
     results["date"] = datetime.now(UTC).isoformat(timespec="seconds")
     results["machine"] = (
         f"{platform.machine()}, {os.cpu_count()} cpus, Python {platform.python_version()}"
     )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "publish.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
     text = report(results)
-    (RESULTS / "publish.md").write_text(text)
+    (RESULTS / f"{name}.md").write_text(text)
     print(text)
+
+
+def main() -> None:
+    with ExitStack() as stack:
+        results = asyncio.run(run(admin_dsn(stack), RESULTS / ".work"))
+    save_results("publish", results, report)
 
 
 if __name__ == "__main__":

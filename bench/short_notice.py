@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import random
 import sys
 import tempfile
@@ -26,11 +23,17 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from bench.publish import RESULTS, fresh_database, percentile, start_daemon, stop_daemon
+from bench.publish import (
+    admin_dsn,
+    fresh_database,
+    percentile,
+    save_results,
+    start_daemon,
+    stop_daemon,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from rig.pgcluster import PgCluster, find_pg_bindir
 
 from scheduler_daemon.client import Client
 from scheduler_daemon.config import Settings
@@ -106,24 +109,9 @@ def main(argv: list[str] | None = None) -> None:
         results["sqlite"] = asyncio.run(
             trials(f"sqlite:///{work / 'short.db'}", work / "sqlite", args.trials)
         )
-        admin_dsn = os.environ.get("SCHEDULER_BENCH_DATABASE_URL")
-        if not admin_dsn:
-            bindir = find_pg_bindir()
-            if bindir is None:
-                sys.exit("bench: no PostgreSQL binaries and SCHEDULER_BENCH_DATABASE_URL unset")
-            durable = {"fsync": "on", "full_page_writes": "on", "synchronous_commit": "on"}
-            admin_dsn = stack.enter_context(PgCluster(bindir, settings=durable)).dsn()
-        dsn = asyncio.run(fresh_database(admin_dsn, "bench_short_notice"))
+        dsn = asyncio.run(fresh_database(admin_dsn(stack), "bench_short_notice"))
         results["postgres"] = asyncio.run(trials(dsn, work / "postgres", args.trials))
-    results["date"] = datetime.now(UTC).isoformat(timespec="seconds")
-    results["machine"] = (
-        f"{platform.machine()}, {os.cpu_count()} cpus, Python {platform.python_version()}"
-    )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "short_notice.json").write_text(json.dumps(results, indent=2) + "\n")
-    text = report(results)
-    (RESULTS / "short_notice.md").write_text(text)
-    print(text)
+    save_results("short_notice", results, report)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -428,23 +428,6 @@ class LogSettings(Section):
         return value.lower() if isinstance(value, str) else value
 
 
-def postgres_ports(url: str) -> list[str]:
-    """The ports a PostgreSQL URL names, as written: one per host of the (multi-)host list
-    (``postgresql://u@db1:5432,[::1]:5433/app``) and those of a ``port=`` parameter."""
-    rest = url.split("://", 1)[-1]
-    netloc = re.split(r"[/?#]", rest, maxsplit=1)[0]
-    ports = []
-    for host in netloc.rpartition("@")[2].split(","):
-        host = host.rsplit("]", 1)[-1]  # past an IPv6 literal's own colons
-        if ":" in host:
-            ports.append(host.rsplit(":", 1)[1])
-    query = rest[len(netloc) :].partition("?")[2].partition("#")[0]
-    for key, value in parse_qsl(query, keep_blank_values=True):
-        if key == "port":
-            ports += value.split(",")
-    return ports
-
-
 def default_instance_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -481,20 +464,6 @@ class Settings(BaseSettings):
         # The TOML file's contents arrive as init kwargs (see load_settings); listing
         # env first makes the environment win over the file.
         return (env_settings, init_settings)
-
-    @field_validator("database_url")
-    @classmethod
-    def _ports_in_range(cls, url: DatabaseUrl) -> DatabaseUrl:
-        # A port the driver cannot even try is a typo, not an unreachable database.
-        if url.backend == "postgres":
-            for port in postgres_ports(url.secret()):
-                # Not quoted unless a number: a misparsed URL could make it a password.
-                if port and not port.isdigit():
-                    raise ValueError("a port is not a number (1-65535)")
-                if port and (len(port) > 5 or not 1 <= int(port) <= 65535):
-                    shown = port if len(port) <= 6 else port[:6] + "…"
-                    raise ValueError(f"port {shown} is out of range (1-65535)")
-        return url
 
     @model_validator(mode="after")
     def _pool_fits_transaction_mode(self) -> Settings:

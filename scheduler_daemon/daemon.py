@@ -29,7 +29,7 @@ from .config import Settings
 from .db.connect import connect, within_startup_budget
 from .errors import EXIT_OK, EXIT_SOFTWARE, ConfigError, describe
 from .http import HttpServer
-from .leadership import make_guard
+from .leadership import Guard, make_guard
 from .leadership.pooler import detect_transaction_pooler
 from .leadership.watchdog import StallWatchdog
 from .logs import Logger
@@ -131,15 +131,7 @@ class Daemon:
         try:
             await self._prepare(store)
             for name in self.enabled_loops():
-                make_guard(
-                    name,
-                    self._lock_key(name),
-                    store,
-                    self.settings,
-                    self.log,
-                    self.metrics,
-                    self.stopping,
-                )
+                self._guard(name, store)  # a SQLite lock file we cannot open is 78
             return await store.schema_version()
         finally:
             await store.close()
@@ -192,15 +184,7 @@ class Daemon:
             for name in self.enabled_loops():
                 self.metrics.prime_loop(name)
                 work, interval = self._build(name, store)
-                guard = make_guard(
-                    name,
-                    self._lock_key(name),
-                    store,
-                    self.settings,
-                    self.log,
-                    self.metrics,
-                    self.stopping,
-                )
+                guard = self._guard(name, store)
                 runners[name] = LoopRunner(
                     work, guard, interval, self.stopping, self.log, self.metrics
                 )
@@ -257,6 +241,17 @@ class Daemon:
         waiting = [name for name in loops if name not in leading]
         line = f"leading {', '.join(leading)}"
         return f"{line}; standby for {', '.join(waiting)}" if waiting else line
+
+    def _guard(self, name: LoopName, store: db.Store) -> Guard:
+        return make_guard(
+            name,
+            self._lock_key(name),
+            store,
+            self.settings,
+            self.log,
+            self.metrics,
+            self.stopping,
+        )
 
     def _lock_key(self, name: LoopName) -> int:
         return (

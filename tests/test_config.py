@@ -28,10 +28,9 @@ from scheduler_daemon.config import (
     lock_key_from_name,
     parse_duration,
     parse_lock_key,
-    postgres_ports,
     setting_variables,
 )
-from scheduler_daemon.db.url import DatabaseUrl
+from scheduler_daemon.db.url import DatabaseUrl, postgres_ports
 from scheduler_daemon.errors import ConfigError
 from scheduler_daemon.leadership.postgres_session import session_keepalive_settings
 from scheduler_daemon.logs import configure_logging, get_logger

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from pydantic import GetCoreSchemaHandler
 from pydantic_core import core_schema
@@ -55,6 +55,34 @@ def _refuse_misread_userinfo(raw: str) -> None:
     )
 
 
+def postgres_ports(url: str) -> list[str]:
+    """The ports a PostgreSQL URL names, as written: one per host of the (multi-)host list
+    (``postgresql://u@db1:5432,[::1]:5433/app``) and those of a ``port=`` parameter."""
+    rest = url.split("://", 1)[-1]
+    netloc = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    ports = []
+    for host in netloc.rpartition("@")[2].split(","):
+        host = host.rsplit("]", 1)[-1]  # past an IPv6 literal's own colons
+        if ":" in host:
+            ports.append(host.rsplit(":", 1)[1])
+    query = rest[len(netloc) :].partition("?")[2].partition("#")[0]
+    for key, value in parse_qsl(query, keep_blank_values=True):
+        if key == "port":
+            ports += value.split(",")
+    return ports
+
+
+def _refuse_ports_out_of_range(raw: str) -> None:
+    """A port the driver cannot even try is a typo, not an unreachable database."""
+    for port in postgres_ports(raw):
+        # Not quoted unless a number: a misparsed URL could make it a password.
+        if port and not port.isdigit():
+            raise ValueError("a port is not a number (1-65535)")
+        if port and (len(port) > 5 or not 1 <= int(port) <= 65535):
+            shown = port if len(port) <= 6 else port[:6] + "…"
+            raise ValueError(f"port {shown} is out of range (1-65535)")
+
+
 class DatabaseUrl:
     """A validated database URL whose ``str``/``repr`` never shows the password.
 
@@ -80,6 +108,7 @@ class DatabaseUrl:
         scheme = raw.split("://", 1)[0].lower() if "://" in raw else ""
         if scheme in _POSTGRES_SCHEMES:
             _refuse_misread_userinfo(raw)
+            _refuse_ports_out_of_range(raw)
             return cls(raw, "postgres")
         if scheme == "sqlite":
             url = cls(raw, "sqlite")
