@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck pytest chaos bench constraints clean
+.PHONY: run test lint typecheck pytest chaos bench bench-quick constraints clean
 
 # The test suite's sample plugin is not installed here (the suite puts it on PYTHONPATH),
 # so `make run` starts a daemon with nothing but what you configure; older venvs lose it.
@@ -36,8 +36,18 @@ test: lint typecheck pytest
 chaos: $(STAMP)
 	$(BIN)/pytest -q --run-long -m chaos_long $(PYTEST_ARGS)
 
-bench: $(STAMP)
+# Full run (about 20 minutes here) and a one-minute smoke run of every benchmark; both
+# write bench/results/ (the quick one under bench/results/quick/, never over the full).
+BENCH_STAMP := $(VENV)/.bench-installed
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(BIN)/python -m bench
+
+bench-quick: $(BENCH_STAMP)
+	$(BIN)/python -m bench --quick
 
 # The image's pinned dependencies: resolve the runtime dependencies alone in a throwaway venv.
 constraints:

@@ -1,7 +1,28 @@
-"""`make bench`: every benchmark, each writing its results under bench/results/."""
+"""`make bench` / `make bench-quick`: every benchmark, one after the other (never side by
+side: the machine has two cores), each writing its results under bench/results/ (with
+--quick under bench/results/quick/, so a smoke run never replaces the committed numbers).
 
-from bench import publish, short_notice, worker_overhead
+    python -m bench [--quick] [--only NAME ...]
+"""
 
-publish.main()
-short_notice.main([])
-worker_overhead.main(["--write"])
+import argparse
+import importlib
+import time
+
+from bench.common import RESULTS
+
+# Each module has main(argv) taking --quick and --out.
+BENCHMARKS = ["publish", "short_notice", "worker_overhead"]
+
+parser = argparse.ArgumentParser(prog="python -m bench")
+parser.add_argument("--quick", action="store_true", help="a smoke run, about a minute")
+parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=BENCHMARKS)
+args = parser.parse_args()
+out = RESULTS / "quick" if args.quick else RESULTS
+for name in args.only:
+    started = time.monotonic()
+    argv = ["--out", str(out), *(["--quick"] if args.quick else [])]
+    if name == "worker_overhead":
+        argv.append("--write")
+    importlib.import_module(f"bench.{name}").main(argv)
+    print(f"bench: {name} took {time.monotonic() - started:.0f} s", flush=True)

@@ -18,69 +18,37 @@ columns of one run, not runs across machines.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import platform
 import random
-import signal
 import statistics
-import subprocess
-import sys
 import time
-from collections.abc import Callable
 from contextlib import ExitStack
-from datetime import UTC, datetime
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT / "tests"))
-
-from rig.databases import create_database, drop_database, migrate  # noqa: E402
-from rig.pgcluster import PgCluster, find_pg_bindir  # noqa: E402
-
-THROUGHPUT_ROWS = 100_000
-LATENESS_ROWS = 400
-LATENESS_SPREAD = 20.0
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+from bench.common import (
+    RESULTS,
+    admin_dsn,
+    bench_arguments,
+    drop_database,
+    fresh_database,
+    percentile,
+    save_results,
+    start_daemon,
+    stop_daemon,
+)
 
 
-async def fresh_database(admin_dsn: str, name: str) -> str:
-    await drop_database(admin_dsn, name, grace=0)
-    await create_database(admin_dsn, name)
-    dsn = admin_dsn.rsplit("/", 1)[0] + f"/{name}"
-    await asyncio.to_thread(migrate, dsn)
-    return dsn
+@dataclass(frozen=True)
+class Sizes:
+    throughput_rows: int = 100_000
+    lateness_rows: int = 400
+    lateness_spread: float = 20.0
 
 
-def start_daemon(dsn: str, workdir: Path, interval: str = "1s") -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SCHEDULER_")}
-    env |= {
-        "SCHEDULER_DATABASE_URL": dsn,
-        "SCHEDULER_HTTP__ENABLED": "false",
-        "SCHEDULER_LOG__LEVEL": "warning",
-        "SCHEDULER_PUBLISH__INTERVAL": interval,
-    }
-    workdir.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(
-        [sys.executable, "-m", "scheduler_daemon", "run", "--only", "publish"],
-        env=env,
-        cwd=workdir,
-        stdout=subprocess.DEVNULL,
-        stderr=(workdir / "daemon.log").open("wb"),
-    )
-
-
-def stop_daemon(process: subprocess.Popen[bytes]) -> None:
-    process.send_signal(signal.SIGTERM)
-    process.wait(timeout=60)
+QUICK = Sizes(throughput_rows=5_000, lateness_rows=40, lateness_spread=4.0)
 
 
 async def wait_all_published(conn: asyncpg.Connection, total: int, within: float) -> None:
@@ -104,13 +72,13 @@ async def insert_due(conn: asyncpg.Connection, rows: int) -> None:
     )
 
 
-async def ours_throughput(dsn: str, workdir: Path) -> dict[str, float]:
+async def ours_throughput(dsn: str, workdir: Path, rows: int) -> dict[str, float]:
     conn = await asyncpg.connect(dsn)
     try:
-        await insert_due(conn, THROUGHPUT_ROWS)
+        await insert_due(conn, rows)
         daemon = start_daemon(dsn, workdir)
         try:
-            await wait_all_published(conn, THROUGHPUT_ROWS, within=600)
+            await wait_all_published(conn, rows, within=600)
         finally:
             stop_daemon(daemon)
         first, last = await conn.fetchrow(
@@ -120,9 +88,9 @@ async def ours_throughput(dsn: str, workdir: Path) -> dict[str, float]:
         await conn.close()
     seconds = (last - first).total_seconds()
     return {
-        "rows": THROUGHPUT_ROWS,
+        "rows": rows,
         "seconds": seconds,
-        "rows_per_second": THROUGHPUT_ROWS / seconds,
+        "rows_per_second": rows / seconds,
     }
 
 
@@ -146,11 +114,11 @@ async def seed_publish_tick(conn: asyncpg.Connection | asyncpg.Pool) -> int:
     return len(due)
 
 
-async def baseline_throughput(dsn: str, pooled: bool) -> dict[str, float]:
+async def baseline_throughput(dsn: str, pooled: bool, rows: int) -> dict[str, float]:
     conn = await asyncpg.connect(dsn)
     pool = await asyncpg.create_pool(dsn, min_size=1, max_size=5) if pooled else None
     try:
-        await insert_due(conn, THROUGHPUT_ROWS)
+        await insert_due(conn, rows)
         started = time.perf_counter()
         published = await seed_publish_tick(pool or conn)
         seconds = time.perf_counter() - started
@@ -161,9 +129,9 @@ async def baseline_throughput(dsn: str, pooled: bool) -> dict[str, float]:
     return {"rows": published, "seconds": seconds, "rows_per_second": published / seconds}
 
 
-async def schedule_spread(conn: asyncpg.Connection, seed: int) -> None:
+async def schedule_spread(conn: asyncpg.Connection, seed: int, sizes: Sizes) -> None:
     rng = random.Random(seed)
-    offsets = [2.0 + rng.uniform(0, LATENESS_SPREAD) for _ in range(LATENESS_ROWS)]
+    offsets = [2.0 + rng.uniform(0, sizes.lateness_spread) for _ in range(sizes.lateness_rows)]
     await conn.executemany(
         "INSERT INTO scheduler_publications (payload, publish_at) "
         "VALUES ('{}', now() + make_interval(secs => $1))",
@@ -186,26 +154,26 @@ async def lateness_of(conn: asyncpg.Connection) -> dict[str, float]:
     }
 
 
-async def ours_lateness(dsn: str, workdir: Path) -> dict[str, float]:
+async def ours_lateness(dsn: str, workdir: Path, sizes: Sizes) -> dict[str, float]:
     conn = await asyncpg.connect(dsn)
     daemon = start_daemon(dsn, workdir)
     try:
         await asyncio.sleep(1.5)  # let it lead and settle
-        await schedule_spread(conn, seed=1)
-        await wait_all_published(conn, LATENESS_ROWS, within=LATENESS_SPREAD + 30)
+        await schedule_spread(conn, seed=1, sizes=sizes)
+        await wait_all_published(conn, sizes.lateness_rows, within=sizes.lateness_spread + 30)
         return await lateness_of(conn)
     finally:
         stop_daemon(daemon)
         await conn.close()
 
 
-async def baseline_lateness(dsn: str) -> dict[str, float]:
+async def baseline_lateness(dsn: str, sizes: Sizes) -> dict[str, float]:
     conn = await asyncpg.connect(dsn)
     try:
-        await schedule_spread(conn, seed=1)
-        deadline = time.monotonic() + LATENESS_SPREAD + 10
+        await schedule_spread(conn, seed=1, sizes=sizes)
+        deadline = time.monotonic() + sizes.lateness_spread + 10
         published = 0
-        while published < LATENESS_ROWS and time.monotonic() < deadline:
+        while published < sizes.lateness_rows and time.monotonic() < deadline:
             published += await seed_publish_tick(conn)
             await asyncio.sleep(1.0)
         return await lateness_of(conn)
@@ -213,18 +181,22 @@ async def baseline_lateness(dsn: str) -> dict[str, float]:
         await conn.close()
 
 
-async def run(admin_dsn: str, workdir: Path) -> dict[str, Any]:
-    results: dict[str, Any] = {}
+async def run(admin_dsn: str, workdir: Path, sizes: Sizes) -> dict[str, Any]:
+    results: dict[str, Any] = {"sizes": asdict(sizes)}
     dsn = await fresh_database(admin_dsn, "bench_ours_tp")
-    results["throughput_ours"] = await ours_throughput(dsn, workdir / "tp")
+    results["throughput_ours"] = await ours_throughput(dsn, workdir / "tp", sizes.throughput_rows)
     dsn = await fresh_database(admin_dsn, "bench_seed_tp")
-    results["throughput_seed"] = await baseline_throughput(dsn, pooled=True)
+    results["throughput_seed"] = await baseline_throughput(
+        dsn, pooled=True, rows=sizes.throughput_rows
+    )
     dsn = await fresh_database(admin_dsn, "bench_seed1_tp")
-    results["throughput_seed_one_connection"] = await baseline_throughput(dsn, pooled=False)
+    results["throughput_seed_one_connection"] = await baseline_throughput(
+        dsn, pooled=False, rows=sizes.throughput_rows
+    )
     dsn = await fresh_database(admin_dsn, "bench_ours_late")
-    results["lateness_ours"] = await ours_lateness(dsn, workdir / "late")
+    results["lateness_ours"] = await ours_lateness(dsn, workdir / "late", sizes)
     dsn = await fresh_database(admin_dsn, "bench_seed_late")
-    results["lateness_seed"] = await baseline_lateness(dsn)
+    results["lateness_seed"] = await baseline_lateness(dsn, sizes)
     for name in ("bench_ours_tp", "bench_seed_tp", "bench_seed1_tp", "bench_ours_late",
                  "bench_seed_late"):  # fmt: skip
         await drop_database(admin_dsn, name, grace=0)
@@ -240,6 +212,7 @@ def report(results: dict[str, Any]) -> str:
     tp_ours, tp_seed = results["throughput_ours"], results["throughput_seed"]
     tp_one = results["throughput_seed_one_connection"]
     late_ours, late_seed = results["lateness_ours"], results["lateness_seed"]
+    sizes = Sizes(**results["sizes"])
 
     def rate(r: dict[str, float]) -> str:
         return f"{r['rows_per_second']:,.0f} rows/s ({r['seconds']:.2f} s)"
@@ -254,13 +227,13 @@ def report(results: dict[str, Any]) -> str:
             "",
             "| | scheduler-daemon | seed, pooled | seed, one connection |",
             "|---|---|---|---|",
-            f"| throughput, {THROUGHPUT_ROWS:,} due rows | {rate(tp_ours)} | {rate(tp_seed)} "
+            f"| throughput, {sizes.throughput_rows:,} due rows | {rate(tp_ours)} | {rate(tp_seed)} "
             f"| {rate(tp_one)} |",
             f"| ours / baseline | | {results['throughput_ratio']:.1f}x "
             f"| {results['throughput_ratio_one_connection']:.1f}x |",
             "",
-            f"Lateness (published_at - publish_at), {LATENESS_ROWS} rows due at random "
-            f"instants over {LATENESS_SPREAD:g} s; the seed polls every 1 s.",
+            f"Lateness (published_at - publish_at), {sizes.lateness_rows} rows due at random "
+            f"instants over {sizes.lateness_spread:g} s; the seed polls every 1 s.",
             "",
             "| | scheduler-daemon | seed, 1 s poll |",
             "|---|---|---|",
@@ -272,39 +245,12 @@ def report(results: dict[str, Any]) -> str:
     )
 
 
-def admin_dsn(stack: ExitStack) -> str:
-    """SCHEDULER_BENCH_DATABASE_URL, or a throwaway cluster that `stack` stops."""
-    dsn = os.environ.get("SCHEDULER_BENCH_DATABASE_URL")
-    if dsn:
-        return dsn
-    bindir = find_pg_bindir()
-    if bindir is None:
-        sys.exit("bench: no PostgreSQL binaries and SCHEDULER_BENCH_DATABASE_URL unset")
-    # Durable, as in production: the test rig turns fsync off for speed, which would hide
-    # what a commit per row really costs.
-    durable = {"fsync": "on", "full_page_writes": "on", "synchronous_commit": "on"}
-    return stack.enter_context(PgCluster(bindir, settings=durable)).dsn()
-
-
-def save_results(
-    name: str, results: dict[str, Any], report: Callable[[dict[str, Any]], str]
-) -> None:
-    """Stamp date and machine, write bench/results/<name>.json and .md, print the table."""
-    results["date"] = datetime.now(UTC).isoformat(timespec="seconds")
-    results["machine"] = (
-        f"{platform.machine()}, {os.cpu_count()} cpus, Python {platform.python_version()}"
-    )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
-    text = report(results)
-    (RESULTS / f"{name}.md").write_text(text)
-    print(text)
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    args = bench_arguments("bench.publish", argv)
     with ExitStack() as stack:
-        results = asyncio.run(run(admin_dsn(stack), RESULTS / ".work"))
-    save_results("publish", results, report)
+        sizes = QUICK if args.quick else Sizes()
+        results = asyncio.run(run(admin_dsn(stack), RESULTS / ".work", sizes))
+    save_results("publish", results, report, args.out)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,8 @@ the database stamped them.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
-import sys
 import tempfile
 import time
 from contextlib import ExitStack
@@ -23,18 +21,15 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from bench.publish import (
+from bench.common import (
     admin_dsn,
+    bench_arguments,
     fresh_database,
     percentile,
     save_results,
     start_daemon,
     stop_daemon,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-
 from scheduler_daemon.client import Client
 from scheduler_daemon.config import Settings
 
@@ -100,18 +95,16 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--trials", type=int, default=30)
-    args = parser.parse_args(argv)
-    results: dict[str, Any] = {"trials": args.trials}
+    args = bench_arguments("bench.short_notice", argv)
+    results: dict[str, Any] = {"trials": 5 if args.quick else 30}
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         results["sqlite"] = asyncio.run(
-            trials(f"sqlite:///{work / 'short.db'}", work / "sqlite", args.trials)
+            trials(f"sqlite:///{work / 'short.db'}", work / "sqlite", results["trials"])
         )
         dsn = asyncio.run(fresh_database(admin_dsn(stack), "bench_short_notice"))
-        results["postgres"] = asyncio.run(trials(dsn, work / "postgres", args.trials))
-    save_results("short_notice", results, report)
+        results["postgres"] = asyncio.run(trials(dsn, work / "postgres", results["trials"]))
+    save_results("short_notice", results, report, args.out)
 
 
 if __name__ == "__main__":

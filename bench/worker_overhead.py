@@ -198,8 +198,12 @@ def measure_here(runs: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.worker_overhead")
     parser.add_argument("--runs", type=int, default=200)
-    parser.add_argument("--write", action="store_true", help="also write bench/results/")
+    parser.add_argument("--quick", action="store_true", help="20 runs")
+    parser.add_argument("--write", action="store_true", help="also write the results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     arguments = parser.parse_args(argv)
+    if arguments.quick:
+        arguments.runs = 20
     # Measured in a fresh interpreter started with -c, not in this one: started as
     # `python -m bench.worker_overhead`, every worker would first re-run this module as
     # its __main__ (multiprocessing's main-module fixup; ~9 ms a run here). The daemon's
@@ -222,9 +226,9 @@ def main(argv: list[str] | None = None) -> None:
     }
     text = report(results)
     if arguments.write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "worker_overhead.json").write_text(json.dumps(results, indent=2) + "\n")
-        (RESULTS / "worker_overhead.md").write_text(text)
+        arguments.out.mkdir(parents=True, exist_ok=True)
+        (arguments.out / "worker_overhead.json").write_text(json.dumps(results, indent=2) + "\n")
+        (arguments.out / "worker_overhead.md").write_text(text)
     print(text)
     print(f"load average after the run: {results['load_average']}", file=sys.stderr)
 
