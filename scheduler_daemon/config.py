@@ -316,11 +316,12 @@ class LockSettings(Section):
     standby: Literal["wait", "poll"] = "wait"
     keys: LockKeys = Field(default_factory=LockKeys)
     heartbeat_interval: Duration = 2.0
-    stall_timeout: Duration = 15.0
+    # A lock session silent this long is ended by the server (idle_session_timeout):
+    # the eviction of a frozen leader. Whole milliseconds, as PostgreSQL takes it.
+    stall_timeout: Duration = Field(default=15.0, le=_MAX_TCP_USER_TIMEOUT)
     # Work cancelled because leadership ends (or a run timed out, or shutdown_timeout ran
     # out) gets this long to stop before it is killed (worker processes) or we exit.
     stop_grace: Duration = 1.0
-    standby_recheck: Duration = 10.0
     poll_interval: Duration = 1.0
     # Sent as the lock session's tcp_keepalives_idle/_interval/_count and tcp_user_timeout,
     # exactly: PostgreSQL takes whole seconds (and whole milliseconds for the last).
@@ -337,7 +338,7 @@ class LockSettings(Section):
             raise ValueError("PostgreSQL takes whole seconds")
         return whole
 
-    @field_validator("tcp_user_timeout")
+    @field_validator("tcp_user_timeout", "stall_timeout")
     @classmethod
     def _whole_milliseconds(cls, value: float) -> float:
         whole = _whole(value, 0.001)
@@ -400,11 +401,17 @@ class LockSettings(Section):
                 f"max({interval}, {user_timeout:g} - max({idle}, {interval})), "
                 f"{interval} x {tcp['tcp_keepalives_count']}) = {frees:g}s"
             )
+        if self.standby == "poll" and self.poll_interval >= self.stall_timeout:
+            raise ValueError(
+                f"lock.poll_interval ({self.poll_interval:g}s) must be shorter than "
+                f"lock.stall_timeout ({self.stall_timeout:g}s): the server ends a lock "
+                "session that is silent for stall_timeout, a polling standby's too"
+            )
         if stopped > self.stall_timeout + _EPSILON:
             raise ValueError(
                 f"timings: stall_timeout ({self.stall_timeout:g}s) must be at least "
                 f"2 x heartbeat_interval + stop_grace + {TIMING_MARGIN:g}s ({stopped:g}s), "
-                "or a standby could evict a leader whose work has not stopped yet"
+                "or the server could end the session of a leader whose work has not stopped yet"
             )
         return self
 

@@ -27,11 +27,11 @@ from . import db
 from .aio import unless_set
 from .config import Settings
 from .db.connect import connect, within_startup_budget
+from .db.listen import Listener
 from .errors import EXIT_OK, EXIT_SOFTWARE, ConfigError, describe
 from .http import HttpServer
 from .leadership import Guard, make_guard
 from .leadership.pooler import detect_transaction_pooler
-from .leadership.watchdog import StallWatchdog
 from .logs import Logger
 from .loops.base import LoopRunner, LoopWork
 from .loops.plugin import PluginWork
@@ -45,6 +45,8 @@ from .sdnotify import Notifier
 
 LoopName = Literal["publish", "plugin"]
 EXIT_FORCED = 130  # a second signal cut the graceful stop short
+# The oldest server session mode runs on: the first with idle_session_timeout.
+SESSION_MODE_SERVER = (14, 0)
 
 T = TypeVar("T")
 
@@ -85,13 +87,28 @@ class Daemon:
             wanted.append("plugin")
         return wanted
 
-    def _build(self, name: LoopName, store: db.Store) -> tuple[LoopWork, float]:
+    def _build(
+        self, name: LoopName, store: db.Store, listener: Listener | None
+    ) -> tuple[LoopWork, float]:
         if name == "publish":
-            publish = PublishWork(store, self.settings, self._publishers, self.metrics, self.log)
+            publish = PublishWork(
+                store, self.settings, self._publishers, self.metrics, self.log, listener
+            )
             return publish, self.settings.publish.interval
         sticky = store.backend == "sqlite" or self.settings.lock.mode == "session"
-        work = PluginWork(self._tasks, self.settings, self.metrics, self._workers, sticky)
+        work = PluginWork(self._tasks, self.settings, self.metrics, self._workers, sticky, listener)
         return work, self.settings.plugin.interval
+
+    def _listener(self, store: db.Store, stack: AsyncExitStack) -> Listener | None:
+        """The replica's LISTEN connection, shared by the loops it leads (opened when one
+        starts leading): PostgreSQL in session mode only (see db/listen.py)."""
+        from .db.postgres import PostgresStore
+
+        if not isinstance(store, PostgresStore) or self.settings.lock.mode != "session":
+            return None
+        listener = Listener(store, self.log)
+        stack.callback(listener.close)
+        return listener
 
     async def _start_workers(self, stack: AsyncExitStack) -> None:
         """Sync targets run in worker processes: start their forkserver now, with the
@@ -181,9 +198,10 @@ class Daemon:
             await self._start_workers(stack)
 
             runners = {}
+            listener = self._listener(store, stack)
             for name in self.enabled_loops():
                 self.metrics.prime_loop(name)
-                work, interval = self._build(name, store)
+                work, interval = self._build(name, store, listener)
                 guard = self._guard(name, store)
                 runners[name] = LoopRunner(
                     work, guard, interval, self.stopping, self.log, self.metrics
@@ -192,9 +210,6 @@ class Daemon:
                 name: asyncio.create_task(runner.run(), name=f"loop:{name}")
                 for name, runner in runners.items()
             }
-            watchdog = self._watchdog(store, list(runners))
-            if watchdog is not None:
-                tasks["watchdog"] = asyncio.create_task(watchdog.run(), name="loop:watchdog")
             stack.push_async_callback(self._stop_tasks, tasks)
             # Unwound before _stop_tasks: systemd hears STOPPING=1 as the stop begins.
             stack.callback(self.notifier.stopping)
@@ -258,31 +273,19 @@ class Daemon:
             self.settings.lock.keys.publish if name == "publish" else self.settings.lock.keys.plugin
         )
 
-    def _watchdog(self, store: db.Store, loops: list[LoopName]) -> StallWatchdog | None:
-        from .db.postgres import PostgresStore
-
-        if not isinstance(store, PostgresStore) or not loops:
-            return None
-        lock = self.settings.lock
-        if lock.mode != "session":
-            # No heartbeats to judge by: idle_in_transaction_session_timeout, set on every
-            # transaction-mode transaction, is what ends a frozen client's lock.
-            return None
-        return StallWatchdog(
-            store,
-            {name: self._lock_key(name) for name in loops},
-            lock.stall_timeout,
-            lock.heartbeat_interval,
-            self.log,
-            self.metrics,
-            self.stopping,
-        )
-
     async def _refuse_unsafe_lock_mode(self, store: db.Store) -> None:
         from .db.postgres import PostgresStore
 
         if not isinstance(store, PostgresStore) or self.settings.lock.mode != "session":
             return
+        version = await store.server_version()
+        if version < SESSION_MODE_SERVER:
+            raise ConfigError(
+                f"lock.mode: 'session' needs PostgreSQL {SESSION_MODE_SERVER[0]} or later "
+                f"(idle_session_timeout is what ends a stalled leader's session); the "
+                f"server is {'.'.join(map(str, version))}. Upgrade it, or set "
+                "SCHEDULER_LOCK__MODE=transaction."
+            )
         reason = await detect_transaction_pooler(store)
         if reason is not None:
             raise ConfigError(
@@ -320,11 +323,6 @@ class Daemon:
 
     async def _stop_tasks(self, tasks: Mapping[str, asyncio.Task[None]]) -> None:
         self.stopping.set()
-        # The stall watchdog has nothing to finish, and its query may hang on a database
-        # that is gone: it must not hold the stop up for shutdown_timeout.
-        watchdog = tasks.get("watchdog")
-        if watchdog is not None:
-            watchdog.cancel()
         pending = [task for task in tasks.values() if not task.done()]
         try:
             if pending and not self.forced:

@@ -51,7 +51,8 @@ class Metrics:
         )
         self.evictions = Counter(
             "scheduler_evictions_total",
-            "Stalled leaders this replica evicted (pg_terminate_backend).",
+            "Leaderships this replica took over from a leader that was still connected but had "
+            "lost its lock session (the server ended it after stall_timeout of silence).",
             ["loop"],
             registry=r,
         )

@@ -373,10 +373,32 @@ def test_stall_timeout_leaves_room_for_the_work_to_stop(tmp_path: Path) -> None:
         load_settings(write(tmp_path, '[lock]\nstall_timeout = "5.5s"\n'))
     assert str(info.value) == (
         "invalid config: lock: timings: stall_timeout (5.5s) must be at least "
-        "2 x heartbeat_interval + stop_grace + 1s (6s), or a standby could evict a leader "
-        "whose work has not stopped yet"
+        "2 x heartbeat_interval + stop_grace + 1s (6s), or the server could end the session "
+        "of a leader whose work has not stopped yet"
     )
     assert load_settings(write(tmp_path, "[lock]\nstall_timeout = 6\n")).lock.stall_timeout == 6
+
+
+def test_the_server_must_not_end_a_polling_standby_between_its_polls(tmp_path: Path) -> None:
+    polling = '[lock]\nstandby = "poll"\n'
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, polling + 'poll_interval = "15s"\n'))
+    assert "lock.poll_interval (15s) must be shorter than lock.stall_timeout (15s)" in str(
+        info.value
+    )
+    assert load_settings(write(tmp_path, polling + 'poll_interval = "14s"\n')).lock.standby
+
+
+def test_stall_timeout_is_whole_milliseconds_as_postgresql_takes_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="stall_timeout"):
+        load_settings(write(tmp_path, '[lock]\nstall_timeout = "15.0005s"\n'))
+
+
+def test_the_old_standby_recheck_setting_is_refused_by_name(tmp_path: Path) -> None:
+    """Standbys no longer re-issue their wait (it wrote an ERROR to the server log each
+    time): the setting is gone, and a leftover one is a configuration error."""
+    with pytest.raises(ConfigError, match=r"lock\.standby_recheck: unknown key"):
+        load_settings(write(tmp_path, '[lock]\nstandby_recheck = "10s"\n'))
 
 
 @pytest.mark.parametrize(

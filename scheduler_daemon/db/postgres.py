@@ -45,6 +45,15 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
         )
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """Session mode's pool reset: none. asyncpg's default runs ``pg_advisory_unlock_all();
+    CLOSE ALL; UNLISTEN *; RESET ALL`` on every release (a database transaction each
+    time), against session state that only user SQL could leave behind, and in session
+    mode user SQL runs on the lock connections, never on the pool. An open transaction is
+    still rolled back (asyncpg does that before calling this). Transaction mode keeps the
+    default: there tasks' and publishers' SQL runs on pooled connections."""
+
+
 def _publication(row: Mapping[str, Any]) -> Publication:
     return Publication(**dict(row))
 
@@ -133,6 +142,7 @@ class PostgresStore:
             command_timeout=db.statement_timeout + db.connect_timeout,
             server_settings=cls.server_settings(settings, purpose="pool"),
             init=_init_connection,
+            reset=None if settings.lock.mode == "transaction" else _keep_session,
             statement_cache_size=cls.statement_cache_size(settings),
         )
         return cls(settings.database_url, settings, pool)
@@ -175,6 +185,11 @@ class PostgresStore:
             )
         await _init_connection(conn)
         return conn
+
+    async def server_version(self) -> tuple[int, int]:
+        async with self.pool.acquire() as conn:
+            version = conn.get_server_version()
+        return (version.major, version.minor)
 
     async def migrate(self) -> list[AppliedMigration]:
         applied: list[AppliedMigration] = []

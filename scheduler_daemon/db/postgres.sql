@@ -101,18 +101,17 @@ ON CONFLICT (loop, lock_key) DO UPDATE SET
                        ELSE EXCLUDED.acquired_at END,
     instance = EXCLUDED.instance, fencing_token = EXCLUDED.fencing_token
 
--- name: leader_heartbeat
--- Through the pool, not the lock connection: it proves that the database itself still sees
--- our lock backend holding the key (pg_locks is the lock manager's own truth).
-UPDATE scheduler_leaders SET heartbeat_at = now()
-WHERE loop = $1 AND lock_key = $4 AND backend_pid = $2 AND instance = $3
-  AND EXISTS (
+-- name: lock_held
+-- The heartbeat, on the lock connection itself: this session still holds the key, in the
+-- lock manager's own view. Read-only, so an idle leader writes nothing (no WAL, no flush);
+-- the round trip also restarts the session's idle_session_timeout, which is what ends a
+-- leader that stops sending (see the session guard).
+SELECT EXISTS (
     SELECT 1 FROM pg_locks
-    WHERE locktype = 'advisory' AND granted AND pid = $2 AND objsubid = 1
+    WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid() AND objsubid = 1
       AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-      AND classid = (($4::bigint >> 32) & 4294967295)::oid
-      AND objid = ($4::bigint & 4294967295)::oid)
-RETURNING heartbeat_at
+      AND classid = (($1::bigint >> 32) & 4294967295)::oid
+      AND objid = ($1::bigint & 4294967295)::oid)
 
 -- name: leader_release
 DELETE FROM scheduler_leaders
@@ -149,38 +148,22 @@ WHERE locktype = 'advisory' AND pid = $2 AND objsubid = 1
   AND classid = (($1::bigint >> 32) & 4294967295)::oid
   AND objid = ($1::bigint & 4294967295)::oid
 
--- name: evict_stalled
--- Terminate the backend holding a loop's lock when its leader has gone silent: its
--- heartbeat (or, with no leader row, its last activity) is older than the stall timeout.
--- The whole judgement is one statement, so a fresh leader is never hit by a stale read.
--- A backend busy running a statement is not judged by activity: only the heartbeat can
--- say that its client is gone.
-SELECT l.pid, s.instance, s.heartbeat_at, a.application_name,
-       pg_terminate_backend(l.pid) AS terminated
-FROM pg_locks l
-JOIN pg_stat_activity a ON a.pid = l.pid
-LEFT JOIN scheduler_leaders s
-    ON s.loop = $1 AND s.lock_key = $2 AND s.backend_pid = l.pid
-WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND l.classid = (($2::bigint >> 32) & 4294967295)::oid
-  AND l.objid = ($2::bigint & 4294967295)::oid
-  AND l.pid <> pg_backend_pid()
-  AND CASE WHEN s.backend_pid IS NOT NULL
-           THEN s.heartbeat_at < now() - make_interval(secs => $3)
-           ELSE a.state <> 'active' AND a.state_change < now() - make_interval(secs => $3)
-      END
-
 -- name: lock_sessions
--- Who holds and who waits for a loop's lock, straight from the lock manager.
+-- Who holds and who waits for a loop's lock, straight from the lock manager. A leader's
+-- heartbeat is its lock session's last sign of life: now while it runs a statement,
+-- else when its last one ended (session mode: a lock connection; transaction mode's
+-- ticks write heartbeat_at, and their backends are the pool's).
 SELECT l.pid, l.granted, a.application_name, a.backend_start, a.state,
        host(a.client_addr) AS client_addr,
-       s.instance, s.hostname, s.pid AS os_pid, s.acquired_at, s.heartbeat_at,
-       extract(epoch FROM now() - s.heartbeat_at)::float8 AS heartbeat_age, s.fencing_token
+       s.instance, s.hostname, s.pid AS os_pid, s.acquired_at, h.heartbeat_at,
+       extract(epoch FROM now() - h.heartbeat_at)::float8 AS heartbeat_age, s.fencing_token
 FROM pg_locks l
 JOIN pg_stat_activity a ON a.pid = l.pid
 LEFT JOIN scheduler_leaders s
     ON s.loop = $1 AND s.lock_key = $2 AND s.backend_pid = l.pid
+CROSS JOIN LATERAL (SELECT greatest(s.heartbeat_at,
+    CASE WHEN s.backend_pid IS NULL OR a.application_name NOT LIKE '%/lock:%' THEN NULL
+         WHEN a.state = 'active' THEN now() ELSE a.state_change END) AS heartbeat_at) h
 WHERE l.locktype = 'advisory' AND l.objsubid = 1
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND l.classid = (($2::bigint >> 32) & 4294967295)::oid
@@ -188,9 +171,16 @@ WHERE l.locktype = 'advisory' AND l.objsubid = 1
 ORDER BY l.granted DESC, a.backend_start
 
 -- name: leaders
-SELECT loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at,
-       extract(epoch FROM now() - heartbeat_at)::float8 AS heartbeat_age, fencing_token
-FROM scheduler_leaders ORDER BY loop
+-- The recorded leaders, each with its lock session's last sign of life (see lock_sessions).
+SELECT s.loop, s.lock_key, s.instance, s.hostname, s.pid, s.backend_pid, s.acquired_at,
+       h.heartbeat_at, extract(epoch FROM now() - h.heartbeat_at)::float8 AS heartbeat_age,
+       s.fencing_token
+FROM scheduler_leaders s
+LEFT JOIN pg_stat_activity a ON a.pid = s.backend_pid
+CROSS JOIN LATERAL (SELECT greatest(s.heartbeat_at,
+    CASE WHEN a.pid IS NULL OR a.application_name NOT LIKE '%/lock:%' THEN NULL
+         WHEN a.state = 'active' THEN now() ELSE a.state_change END) AS heartbeat_at) h
+ORDER BY s.loop
 
 -- Plugin loop. Everything below runs inside the tick's fenced transaction (Tx).
 

@@ -339,8 +339,8 @@ async def heartbeat(
     prove: Callable[[], Awaitable[bool]],
     on_failure: Callable[[], None] = lambda: None,
 ) -> None:
-    """Prove the lock every ``heartbeat_interval`` until a proof fails; then lose the
-    lease and return.
+    """Prove the lock ``heartbeat_interval`` after it was last proven (by a heartbeat or
+    by the lease's work) until a proof fails; then lose the lease and return.
 
     ``prove()`` answers whether the database still sees us holding the lock. A proof that
     does not answer within one interval counts as failed: that is how a silently cut
@@ -350,7 +350,12 @@ async def heartbeat(
     """
     interval = lease.settings.lock.heartbeat_interval
     while True:
-        await asyncio.sleep(interval)
+        # One interval after the last proof, whoever made it: the work's own fenced
+        # transactions prove the lock too, and then no heartbeat is needed.
+        wait = lease.last_proven + interval - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+            continue
         silent_for = time.monotonic() - lease.last_proven
         if silent_for > lease.settings.lock.step_down_after:
             lease.lose(f"heartbeat {silent_for:.1f}s late (process stalled)", gone=True)

@@ -6,16 +6,28 @@ is dropped at once, and lock and unlock could land on different connections. The
 owns one connection per loop; lock, ticks and unlock all run on it.
 
 Standbys *wait* on ``pg_advisory_lock`` (``standby = "wait"``), so PostgreSQL hands the
-lock over the moment the leader's session ends. Each wait is bounded by ``lock_timeout``
-(``standby_recheck``) and re-issued, which also proves the standby's own connection alive.
+lock over the moment the leader's session ends. The wait is one statement, for as long as
+it takes: a waiting standby sends nothing and costs the database nothing but its
+connection, and writes nothing to the server's log. A standby whose connection dies
+silently learns it from the kernel (TCP keepalive and user timeout on the socket, within
+``lock.step_down_after``), as a leader does.
 
-While leading, a heartbeat task proves every ``heartbeat_interval``, through the pool,
-that the database still sees our backend holding the key, and pings the lock connection
-when no tick is using it. The lock connection's own end is noticed at once (asyncpg's
-termination listener): a terminated backend, a restarted server. Any of these ends the
-leadership: its work is cancelled and waited for, and only then is the connection closed.
-The order matters where the server can still hear us (the pool broke, the lock connection
-did not): closing first would hand the lock to a standby while our runs still run.
+The server itself ends a leader that stops talking: the lock session carries
+``idle_session_timeout`` and ``idle_in_transaction_session_timeout`` of ``stall_timeout``.
+A leader frozen (SIGSTOP, a blocked event loop, a stuck host) keeps its TCP session up, so
+nothing else would ever free its lock; a live leader talks on it at least every
+``heartbeat_interval``, and gives up by itself long before (the timing arithmetic in
+config.py). No replica has to poll for stalled leaders.
+
+While leading, a heartbeat proves every ``heartbeat_interval``, on the lock connection,
+that the database still sees this session holding the key (one read-only statement; a
+fenced transaction of a tick proves the same and stands in for it). While a tick holds the
+connection, the proof goes through the pool instead. The lock connection's own end is
+noticed at once (asyncpg's termination listener): a terminated backend, a restarted
+server, the server's idle timeout. Any of these ends the leadership: its work is cancelled
+and waited for, and only then is the connection closed. The order matters where the
+server can still hear us (the pool broke, the lock connection did not): closing first
+would hand the lock to a standby while our runs still run.
 """
 
 from __future__ import annotations
@@ -31,7 +43,7 @@ from typing import Any
 
 import asyncpg
 
-from ..aio import unless_set, wait_any
+from ..aio import wait_any
 from ..config import LockSettings, Settings
 from ..db.postgres import PgTx, PostgresStore, detect_dead_peer
 from ..db.sqlfiles import queries
@@ -88,6 +100,7 @@ class SessionLease(LeaseState):
             async with self.conn.transaction():
                 if not await self.conn.fetchval(Q["fence_begin"], self.key):
                     self._fence_broken("the lock connection no longer holds the lock")
+                self.last_proven = time.monotonic()  # as good as a heartbeat
                 try:
                     async with self.conn.transaction():
                         yield PgTx(self.conn, self.fencing_token)
@@ -135,10 +148,7 @@ class SessionGuard(GuardBase[PostgresStore]):
         # then even a tick stuck waiting on it ends leadership (the termination listener).
         detect_dead_peer(conn, self.lock.step_down_after)
         try:
-            if conn.get_server_version() >= (14, 0):
-                # A leader killed mid-statement: without this the server notices the closed
-                # socket only when the statement ends, and holds the lock until then.
-                await conn.execute("SET client_connection_check_interval = 1000")
+            await conn.execute(self._session_timeouts())
             await self._wait_for_lock(conn)
             async with conn.transaction():
                 predecessor = await conn.fetchrow(Q["leader_predecessor"], self.loop, self.key)
@@ -170,6 +180,15 @@ class SessionGuard(GuardBase[PostgresStore]):
         conn.add_termination_listener(on_closed)
         if conn.is_closed():  # closed before the listener was there to hear it
             on_closed(conn)
+        if settled.get("predecessor_alive"):
+            # It did not hand over and is still connected, yet its lock session ended: the
+            # server evicted it (idle past stall_timeout: frozen, or cut off), or someone
+            # terminated the backend.
+            self.metrics.evictions.labels(self.loop).inc()
+            self.log.warning(
+                "leader.evicted", evicted_instance=settled["predecessor"],
+                stall_timeout=self.lock.stall_timeout,
+            )  # fmt: skip
         self.metrics.leader.labels(self.loop).set(1)
         self.metrics.leadership_changes.labels(self.loop, "acquired").inc()
         self.log.info(
@@ -192,6 +211,22 @@ class SessionGuard(GuardBase[PostgresStore]):
             conn.remove_termination_listener(on_closed)
             self.metrics.leader.labels(self.loop).set(0)
             await self._release(lease, graceful=clean_exit and not lease.lost.is_set())
+
+    def _session_timeouts(self) -> str:
+        """The lock session's server-side limits (PostgreSQL 14 or later, checked at start).
+
+        ``client_connection_check_interval``: a leader killed mid-statement is noticed at
+        once, not when the statement ends (holding the lock until then). The idle
+        timeouts are the stall eviction: a session that sends nothing for
+        ``stall_timeout`` (whole milliseconds, as config.py checked) is ended by the server,
+        freeing its lock. Set before the wait, so that a standby frozen just as it is
+        granted the lock is covered too; a waiting statement is not idle."""
+        stall_ms = round(self.lock.stall_timeout * 1000)
+        return (
+            "SET client_connection_check_interval = 1000; "
+            f"SET idle_session_timeout = {stall_ms}; "
+            f"SET idle_in_transaction_session_timeout = {stall_ms}"
+        )
 
     async def _settle(self, conn: asyncpg.Connection, predecessor: Any) -> dict[str, Any]:
         """Before doing any work, make sure the previous leader has stopped its own.
@@ -239,49 +274,41 @@ class SessionGuard(GuardBase[PostgresStore]):
                 if await wait_any([self.stop], self.lock.poll_interval):
                     raise Stopping
             return
-        recheck = self.lock.standby_recheck
-        await conn.execute(f"SET lock_timeout = {int(recheck * 1000)}")
-        while True:
-            if self.stop.is_set():
-                raise Stopping
-            if await self._one_wait(conn, recheck):
-                break
-        await conn.execute("RESET lock_timeout")
-
-    async def _one_wait(self, conn: asyncpg.Connection, recheck: float) -> bool:
-        """One bounded ``pg_advisory_lock`` wait, abandoned if the daemon stops.
-
-        The client-side timeout catches a connection that died silently: the server's
-        ``lock_timeout`` answer would never arrive.
-        """
-        timeout = recheck + self.settings.database.connect_timeout
-        waiting = await unless_set(
-            conn.execute("SELECT pg_advisory_lock($1)", self.key, timeout=timeout), self.stop
-        )
-        if waiting.cancelled():
-            raise Stopping
+        # No statement_timeout on the wait: it lasts until the lock is granted.
+        await conn.execute("SET statement_timeout = 0")
+        waiting = asyncio.ensure_future(conn.execute("SELECT pg_advisory_lock($1)", self.key))
+        stopping = asyncio.ensure_future(self.stop.wait())
         try:
-            waiting.result()
-        except asyncpg.LockNotAvailableError:
-            return False  # lock_timeout: still a standby, and our connection is alive
-        return True
+            await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not waiting.done():
+                # Stopping (or cancelled): drop the connection rather than cancel the
+                # statement, which the server would log as an ERROR for every stop. The
+                # server ends the session (client_connection_check_interval); whatever it
+                # was granted goes with it.
+                conn.terminate()
+                await asyncio.wait({waiting})
+            await asyncio.wait({stopping})
+        if self.stop.is_set():
+            if not waiting.cancelled():
+                waiting.exception()  # retrieved: the stop is what we report
+            raise Stopping
+        waiting.result()
+        await conn.execute("RESET statement_timeout")
 
     async def _prove(self, lease: SessionLease) -> bool:
-        """One heartbeat: the database still sees our backend holding the key (False if
-        not), and the lock connection answers."""
-        still_held = await self.store.pool.fetchval(
-            Q["leader_heartbeat"],
-            self.loop,
-            lease.backend_pid,
-            self.settings.instance_id,
-            self.key,
-        )
-        if still_held is None:
-            return False
-        if not lease.conn_lock.locked():  # a tick proves the connection itself
+        """One heartbeat: the database still sees our lock session holding the key.
+
+        On the lock connection when it is free (checking and taking the lock without a
+        wait in between: the event loop runs nothing else), which also restarts the
+        server's idle timeout; through the pool while a tick holds it (the tick's own
+        statements keep the session from being idle)."""
+        if not lease.conn_lock.locked():
             async with lease.conn_lock:
-                await lease.conn.fetchval("SELECT 1")
-        return True
+                return bool(await lease.conn.fetchval(Q["lock_held"], self.key))
+        held = await self.store.pool.fetchval(Q["lock_entry"], self.key, lease.backend_pid)
+        return held is True
 
     def _report_lost(self, reason: str, gone: bool) -> None:
         """The lease's loss, reported once, whatever noticed it."""

@@ -33,15 +33,26 @@ class Tick:
     lease: Lease  # do database work in `async with tick.lease.transaction() as tx`
 
 
+# The longest a leader sleeps when a notification will wake it for anything due sooner:
+# a safety net for a notification lost without the connection noticing, and the tick
+# that shows the loop alive (scheduler_ticks_total; the SchedulerLoopStalled alert).
+LISTENING_MAX_SLEEP = 60.0
+
+
 class LoopWork(Protocol):
     """One loop's business logic. ``tick`` returns how long to sleep before the next one
-    (None: the configured interval)."""
+    (None: as long as :meth:`max_sleep` allows)."""
 
     name: str
     # Set by the runner: call it to start the next tick now (from any callback).
     wake: Callable[[], None]
 
     async def tick(self, tick: Tick) -> float | None: ...
+
+    def max_sleep(self) -> float:
+        """The longest sleep between ticks now: the loop's interval, or
+        :data:`LISTENING_MAX_SLEEP` while a notification will wake it."""
+        ...
 
     async def leadership_ended(self, graceful: bool) -> None:
         """Called before leadership is released. ``graceful``: the daemon is stopping and
@@ -135,7 +146,10 @@ class LoopRunner:
             self.metrics.ticks.labels(self.work.name, result).inc()
             self.metrics.tick_duration.labels(self.work.name).observe(elapsed)
             tick.log.debug("tick.done", result=result, duration=round(elapsed, 4), next_in=delay)
-            await self._sleep(self.interval if delay is None else min(delay, self.interval), lease)
+            # A tick that failed is retried after the interval, listening or not: what
+            # failed will not send a notification when it would succeed.
+            longest = self.work.max_sleep() if result == "ok" else self.interval
+            await self._sleep(longest if delay is None else min(delay, longest), lease)
 
     async def _sleep(self, seconds: float, lease: Lease) -> None:
         await wait_any([self.stop, self._wake, lease.lost], seconds)

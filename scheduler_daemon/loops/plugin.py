@@ -12,6 +12,13 @@ tick and keeps it until the runs have ended. So no run ever executes without thi
 holding the loop's lock, and losing it stops every run — async targets are cancelled,
 sync targets run in worker processes and are killed — before the lock can go to anyone.
 
+Timing: the tick returns how long until the earliest next slot (database clock), and the
+leader sleeps until then. On PostgreSQL in session mode it is woken sooner by a NOTIFY
+from a trigger on the tasks table when a task is triggered, resumed or moved earlier
+(``tasks trigger``, ``tasks resume``, plain SQL), so an idle leader ticks only every
+``LISTENING_MAX_SLEEP``; otherwise (SQLite, transaction mode, no LISTEN) it looks every
+``plugin.interval``.
+
 Runs of a leader that lost its lock can never record a result. Whoever next holds the
 lock while none of its own runs is in flight (a sticky leader when it takes over; in
 transaction mode, every tick that wins the lock) marks what is still ``running`` as
@@ -26,7 +33,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -41,9 +48,15 @@ from ..plugins.context import TaskContext
 from ..plugins.schedule import Plan, plan
 from ..plugins.tasks import TaskSpec
 from ..plugins.worker import WorkerFailed, WorkerJob, Workers
-from .base import Tick
+from .base import LISTENING_MAX_SLEEP, Tick
+
+if TYPE_CHECKING:
+    from ..db.listen import Listener
 
 ABANDONED = "abandoned: the replica running it lost the lock before it finished"
+# Sent by the scheduler_plugin_tasks trigger (migration 0004) when a task becomes due
+# sooner than its leader may have planned.
+WAKE_CHANNEL = "scheduler_plugin_tasks_changed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +76,14 @@ class PluginWork:
         metrics: Metrics,
         workers: Workers | None,
         sticky: bool,
+        listener: Listener | None = None,
     ) -> None:
         self.tasks = {spec.name: spec for spec in tasks}
         self.settings = settings
         self.metrics = metrics
         self.workers = workers  # runs sync targets; None when no task has one
         self.sticky = sticky  # a lease lasts until lost (session mode, SQLite)
+        self.listener = listener  # PostgreSQL, session mode
         # In-flight runs by task name (a claimed run counts from its claim on).
         self.running: dict[str, asyncio.Task[Any]] = {}
         # One task per tick that claimed runs, with their rows in scheduler_plugin_runs.
@@ -79,6 +94,12 @@ class PluginWork:
     async def tick(self, tick: Tick) -> float | None:
         claims: list[Claim] = []
         hold: PendingHold | None = None
+        if self.listener is not None:
+            # Before the read below, so that no change after it goes unheard.
+            if self._lease is not tick.lease:
+                await self.listener.subscribe(WAKE_CHANNEL, self._on_tasks_changed)
+            else:
+                await self.listener.ensure()
         try:
             async with tick.lease.transaction() as tx:
                 now: datetime = (await tx.fetch("now"))[0]["now"]
@@ -115,12 +136,22 @@ class PluginWork:
             claims += await self._due_claims(tx, spec, state, now, len(claims), log)
         return claims
 
+    def max_sleep(self) -> float:
+        if self.listener is not None and self.listener.listening:
+            return LISTENING_MAX_SLEEP
+        return self.settings.plugin.interval
+
+    def _on_tasks_changed(self, _payload: str) -> None:
+        self.wake()
+
     async def leadership_ended(self, graceful: bool) -> None:
         """Graceful (daemon stopping, lease still valid): let the runs finish and record
         their results (the daemon cancels us past shutdown_timeout; losing the lease
         meanwhile cancels them at once). Either way the guard then stops whatever is left,
         before it lets the lock go."""
         self._lease = None
+        if self.listener is not None:
+            await self.listener.unsubscribe(WAKE_CHANNEL)
         if graceful and self._batches:
             await asyncio.wait(list(self._batches))
 

@@ -7,9 +7,10 @@ flips them, and the publishers run on the returned rows in the same transaction.
 leader lost its session, nothing of the batch commits, and the next leader publishes it.
 
 Timing: the tick returns how long until the earliest scheduled row, so the leader sleeps
-exactly until then (capped by ``interval``). On PostgreSQL a LISTEN connection, fed by a
+exactly until then. On PostgreSQL the replica's LISTEN connection (db/listen.py), fed by a
 statement trigger on the table, wakes it when a row is scheduled sooner than that —
-whoever wrote it (the CLI, the API, plain SQL). SQLite has no NOTIFY: the leader watches
+whoever wrote it (the CLI, the API, plain SQL); while it listens, the leader looks
+unprompted only every ``LISTENING_MAX_SLEEP``, else every ``interval``. SQLite has no NOTIFY: the leader watches
 its files (a ``stat``) every ``SQLITE_WATCH_INTERVAL``; when they moved it asks
 ``PRAGMA data_version``, which moves only when another process committed, and only then
 looks at the earliest row.
@@ -21,7 +22,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..config import Settings
 from ..db.base import Store, Tx
@@ -32,13 +33,13 @@ from ..logs import Logger
 from ..metrics import Metrics
 from ..publishers import Published, Publisher
 from ..publishers.webhook import WebhookDeliverer
-from .base import Tick
+from .base import LISTENING_MAX_SLEEP, Tick
 
 if TYPE_CHECKING:
+    from ..db.listen import Listener
     from ..db.sqlite import SqliteStore
 
 WAKE_CHANNEL = "scheduler_publications_due"
-LISTEN_RETRY = 30.0
 # How often the SQLite leader looks for other processes' commits: the bound on its
 # short-notice lateness, for one cheap pragma (no page read) per look.
 SQLITE_WATCH_INTERVAL = 0.1
@@ -58,19 +59,19 @@ class PublishWork:
         publishers: Sequence[Publisher],
         metrics: Metrics,
         log: Logger,
+        listener: Listener | None = None,
     ) -> None:
         self.store = store
+        self.listener = listener  # PostgreSQL, session mode
         self.settings = settings
         self.publishers = publishers
         self.metrics = metrics
         self.log = log.bind(loop=self.name)
         self.wake: Callable[[], None] = lambda: None  # the runner sets its own
         self._lease: Lease | None = None
-        self._listener: Any = None  # asyncpg connection with the LISTEN
         self._deliverer: WebhookDeliverer | None = None
         self._delivering: asyncio.Task[None] | None = None
         self._watching: asyncio.Task[None] | None = None  # SQLite: the commit watcher
-        self._listen_retry_at = 0.0
         self._planned_wake = float("inf")  # time.time() of the next planned tick
         self._db_clock_offset = 0.0  # database clock minus ours, measured each tick
         # Publication id -> transient rollbacks in a row of the batch that held it (only
@@ -80,8 +81,8 @@ class PublishWork:
     async def tick(self, tick: Tick) -> float | None:
         if self._lease is not tick.lease:
             await self._start_leading(tick.lease)
-        else:
-            await self._ensure_listener()
+        elif self.listener is not None:
+            await self.listener.ensure()
         published = 0
         while True:
             async with tick.lease.transaction() as tx:
@@ -105,13 +106,14 @@ class PublishWork:
         if upcoming["skipped"]:
             # Due rows another transaction holds locked: retry soon, not in a tight loop.
             delay = max(delay or 0.0, LOCKED_ROWS_RETRY)
-        horizon = (
-            self.settings.publish.interval
-            if delay is None
-            else min(delay, self.settings.publish.interval)
-        )
+        horizon = self.max_sleep() if delay is None else min(delay, self.max_sleep())
         self._planned_wake = time.time() + horizon
         return delay
+
+    def max_sleep(self) -> float:
+        if self.listener is not None and self.listener.listening:
+            return LISTENING_MAX_SLEEP
+        return self.settings.publish.interval
 
     async def _run_publishers(self, tx: Tx, batch: list[Published], log: Logger) -> dict[int, str]:
         """Run every publisher on the batch. Returns {publication id: error} for the rows
@@ -196,8 +198,8 @@ class PublishWork:
             # the lock is released, so that no POST of ours overlaps the next leader's.
             self._deliverer = WebhookDeliverer(settings.webhook, self.metrics, self.log)
             self._delivering = lease.spawn(self._deliverer.run(lease), name="publish:webhooks")
-        self._listen_retry_at = 0.0
-        await self._ensure_listener()
+        if self.listener is not None:
+            await self.listener.subscribe(WAKE_CHANNEL, self._on_notification)
         from ..db.sqlite import SqliteStore
 
         if isinstance(self.store, SqliteStore):
@@ -226,34 +228,10 @@ class PublishWork:
                 self.log.debug("publish.watch_failed", error=describe(exc))
             await asyncio.sleep(SQLITE_WATCH_INTERVAL)
 
-    async def _ensure_listener(self) -> None:
-        """Keep a LISTEN connection while leading (PostgreSQL); reopen it if it died, at
-        most every LISTEN_RETRY seconds. Precise wake-ups are an optimisation: without
-        them the interval still bounds lateness."""
-        from ..db.postgres import PostgresStore
-
-        if not isinstance(self.store, PostgresStore) or self.settings.lock.mode != "session":
-            # Transaction mode is for transaction poolers, through which LISTEN cannot
-            # work (the notification arrives on whichever server session ran it).
-            return
-        if self._listener is not None and not self._listener.is_closed():
-            return
-        if time.monotonic() < self._listen_retry_at:
-            return
-        # LISTEN needs its own connection: the pool's reset runs UNLISTEN *.
-        listener = None
-        try:
-            listener = await self.store.connect_dedicated("listen:publish")
-            await listener.add_listener(WAKE_CHANNEL, self._on_notification)
-            self._listener = listener
-        except Exception as exc:
-            if listener is not None:
-                listener.terminate()
-            self._listener = None
-            self._listen_retry_at = time.monotonic() + LISTEN_RETRY
-            self.log.warning("publish.listen_failed", error=describe(exc))
-
-    def _on_notification(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
+    def _on_notification(self, payload: str) -> None:
+        """A row was scheduled (payload: the earliest new publish_at, database clock), or
+        notifications may have been missed (empty payload): tick now if that is sooner
+        than planned."""
         try:
             due = datetime.fromisoformat(payload).timestamp() - self._db_clock_offset
         except ValueError:
@@ -269,9 +247,8 @@ class PublishWork:
             self._delivering.add_done_callback(self._deliverer_ended)
             self._delivering = None
             self._deliverer = None
-        if self._listener is not None:
-            self._listener.terminate()
-            self._listener = None
+        if self.listener is not None:
+            await self.listener.unsubscribe(WAKE_CHANNEL)
         if self._watching is not None:
             self._watching.cancel()  # work of the lease: the guard waits for it to end
             self._watching = None

@@ -1,0 +1,138 @@
+"""What an idle cluster asks of the database, read off the server's own statement log.
+
+Three real replicas with nothing due: each standby waits in one statement and sends
+nothing else; the leader sends one read-only heartbeat per interval on its lock
+connection and nothing through its pool; the server logs no ERROR. An idle plugin
+leader sleeps until its next slot, and `tasks trigger` / `tasks resume` still wake it at
+once (a NOTIFY from the tasks table). Commit rates are the benchmark's business
+(bench/idle.py); here each statement is accounted for.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import Counter
+from pathlib import Path
+
+import asyncpg
+import pytest
+from rig.databases import PgServer, run_sync
+from rig.processes import Daemons, run_cli
+from rig.ticks import (
+    FAST_TIMINGS,
+    PLUGIN_ONLY,
+    RIG_APP,
+    event_time,
+    first_leader,
+    stop_all,
+    wait_for_event,
+)
+
+pytestmark = [pytest.mark.postgres, pytest.mark.processes]
+
+HEARTBEAT = float(FAST_TIMINGS["SCHEDULER_LOCK__HEARTBEAT_INTERVAL"])
+# A task whose next slot is a year away: an idle plugin loop.
+FAR_TASK = [{"name": "yearly", "cron": "0 0 1 1 *", "sql": "SELECT 1"}]
+# "2026-12-01 15:41:42.321 UTC [13380] scheduler-daemon/r2/lock:publish: LOG:  execute …"
+LOG_LINE = re.compile(r"^\S+ \S+ \S+ \[\d+\] (?P<app>\S*): (?P<level>[A-Z]+):  (?P<text>.*)")
+
+
+@pytest.fixture
+def logged_url(pg_server: PgServer, pg_url: str) -> tuple[str, Path]:
+    """pg_url, with every statement of its sessions in the throwaway cluster's log."""
+    if pg_server.cluster is None:
+        pytest.skip("reads the server log: needs the throwaway cluster")
+    name = pg_url.rsplit("/", 1)[1]
+    run_sync(_admin(pg_server.admin_dsn, f"ALTER DATABASE \"{name}\" SET log_statement = 'all'"))
+    return pg_url, pg_server.cluster.log_path
+
+
+async def _admin(dsn: str, sql: str) -> None:
+    conn = await asyncpg.connect(dsn, server_settings=RIG_APP)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+def server_log_since(path: Path, offset: int, apps: str) -> list[re.Match[str]]:
+    """The log lines since byte `offset` of sessions whose application_name contains
+    `apps` (a marker in the test's instance ids)."""
+    with path.open("rb") as log:
+        log.seek(offset)
+        text = log.read().decode(errors="replace")
+    lines = (LOG_LINE.match(line) for line in text.splitlines())
+    return [line for line in lines if line is not None and apps in line["app"]]
+
+
+def replica_env(url: str, instance: str, **extra: str) -> dict[str, str]:
+    return {
+        "SCHEDULER_DATABASE_URL": url,
+        "SCHEDULER_INSTANCE_ID": instance,
+        **FAST_TIMINGS,
+        "SCHEDULER_PLUGIN__TASKS": json.dumps(FAR_TASK),
+        **extra,
+    }
+
+
+def test_idle_standbys_send_nothing_and_the_leader_only_heartbeats(
+    logged_url: tuple[str, Path], daemons: Daemons
+) -> None:
+    url, log_path = logged_url
+    replicas = [
+        daemons.start(replica_env(url, f"idlecost-{n}"), PLUGIN_ONLY, name=f"idlecost-{n}")
+        for n in range(3)
+    ]
+    leader = first_leader(replicas)
+    for replica in replicas:
+        wait_for_event(replica, "leader.waiting" if replica is not leader else "leader.acquired")
+    time.sleep(2.0)  # the leader's first ticks and its takeover bookkeeping are over
+    offset = log_path.stat().st_size
+    window = 8 * HEARTBEAT
+    time.sleep(window)
+    lines = server_log_since(log_path, offset, "idlecost-")
+    stop_all(replicas)
+
+    statements = Counter(line["app"] for line in lines if line["level"] == "LOG")
+    problems = [line[0] for line in lines if line["level"] in ("ERROR", "FATAL", "WARNING")]
+    assert not problems, problems
+    leader_lock = f"scheduler-daemon/{leader.name}/lock:plugin"
+    # Every statement in the window is the leader's heartbeat on its lock connection; at
+    # most one plugin tick (a fenced transaction, proving the lock too) may fall in it.
+    others = {app: n for app, n in statements.items() if app != leader_lock}
+    assert others == {}, f"only the leader's lock session may talk: {statements}"
+    heartbeats = [line for line in lines if "this session still holds the key" in line["text"]]
+    assert window / HEARTBEAT - 3 <= len(heartbeats) <= window / HEARTBEAT + 1, statements
+
+
+def test_an_idle_plugin_leader_sleeps_until_its_slot_yet_hears_trigger_and_resume(
+    logged_url: tuple[str, Path], daemons: Daemons
+) -> None:
+    """plugin.interval 30 s: a leader that polled would start a triggered run up to
+    30 s (and, sleeping until its yearly slot, up to a minute) late."""
+    url = logged_url[0]
+    env = replica_env(url, "wakeup-1", SCHEDULER_PLUGIN__INTERVAL="30s")
+    leader = daemons.start(env, PLUGIN_ONLY, name="wakeup-1")
+    wait_for_event(leader, "leader.acquired", loop="plugin")
+    time.sleep(3.0)
+    runs = [e for e in leader.log_events() if e.get("event") == "task.started"]
+    assert [e for e in runs if e.get("task") == "yearly"] == []
+
+    cli_env = {"SCHEDULER_DATABASE_URL": url}
+    asked = time.time()
+    assert run_cli(["tasks", "trigger", "yearly"], cli_env).returncode == 0
+    started = wait_for_event(leader, "task.started", after=asked, timeout=10, task="yearly")
+    print(f"\ntrigger -> run started {(event_time(started) - asked) * 1000:.0f} ms")
+
+    assert run_cli(["tasks", "pause", "yearly"], cli_env).returncode == 0
+    assert run_cli(["tasks", "trigger", "yearly"], cli_env).returncode == 0
+    time.sleep(1.0)  # paused: the trigger waits
+    asked = time.time()
+    assert run_cli(["tasks", "resume", "yearly"], cli_env).returncode == 0
+    resumed = wait_for_event(leader, "task.started", after=asked, timeout=10, task="yearly")
+    print(
+        f"resume of a triggered task -> run started {(event_time(resumed) - asked) * 1000:.0f} ms"
+    )
+    stop_all([leader])
