@@ -136,3 +136,95 @@ def test_an_idle_plugin_leader_sleeps_until_its_slot_yet_hears_trigger_and_resum
         f"resume of a triggered task -> run started {(event_time(resumed) - asked) * 1000:.0f} ms"
     )
     stop_all([leader])
+
+
+def test_a_lost_listen_connection_is_reopened_and_wake_ups_still_arrive(
+    logged_url: tuple[str, Path], daemons: Daemons
+) -> None:
+    """publish.interval 30 s: the leader trusts its LISTEN connection to wake it. When that
+    connection is terminated, the leader looks at once, reopens it, and a row scheduled
+    1 s ahead afterwards is still published on time (not up to a minute late)."""
+    url = logged_url[0]
+    env = {
+        "SCHEDULER_DATABASE_URL": url,
+        "SCHEDULER_INSTANCE_ID": "relisten-1",
+        **FAST_TIMINGS,
+        "SCHEDULER_PUBLISH__INTERVAL": "30s",
+    }
+    leader = daemons.start(env, ("run", "--only", "publish"), name="relisten-1")
+    wait_for_event(leader, "leader.acquired", loop="publish")
+    listener = "scheduler-daemon/relisten-1/listen"
+    wait_until_listening = time.monotonic() + 10
+    while not run_sync(_backends(url, listener)):
+        assert time.monotonic() < wait_until_listening, "no LISTEN connection"
+        time.sleep(0.05)
+    run_sync(_sql(url, f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                       f"WHERE application_name = '{listener}'"))  # fmt: skip
+    reopened = time.monotonic() + 10
+    while not run_sync(_backends(url, listener)):
+        assert time.monotonic() < reopened, "the LISTEN connection was not reopened"
+        time.sleep(0.05)
+    time.sleep(0.5)
+
+    scheduled = run_cli(["schedule", "--at", "+1s"], {"SCHEDULER_DATABASE_URL": url})
+    assert scheduled.returncode == 0, scheduled.stderr
+    late = 0.0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        rows = run_sync(_fetch(url, "SELECT extract(epoch FROM published_at - publish_at) AS late "
+                                    "FROM scheduler_publications WHERE published_at IS NOT NULL"))  # fmt: skip
+        if rows:
+            late = float(rows[0]["late"])
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("not published within 10 s: the wake-up was lost")
+    print(f"\nafter the LISTEN connection was reopened: published {late * 1000:.0f} ms late")
+    stop_all([leader])
+
+
+async def _fetch(dsn: str, sql: str) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(dsn, server_settings=RIG_APP)
+    try:
+        rows: list[asyncpg.Record] = await conn.fetch(sql)
+        return rows
+    finally:
+        await conn.close()
+
+
+async def _sql(dsn: str, sql: str) -> None:
+    await _fetch(dsn, sql)
+
+
+async def _backends(dsn: str, application_name: str) -> int:
+    rows = await _fetch(
+        dsn, f"SELECT pid FROM pg_stat_activity WHERE application_name = '{application_name}'"
+    )
+    return len(rows)
+
+
+async def test_session_mode_refuses_a_server_without_idle_session_timeout(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL 13 has no idle_session_timeout, which is what evicts a frozen leader:
+    session mode exits 78 there, naming the version and the way out."""
+    from scheduler_daemon.config import Settings
+    from scheduler_daemon.daemon import Daemon
+    from scheduler_daemon.db.postgres import PostgresStore
+    from scheduler_daemon.errors import ConfigError
+    from scheduler_daemon.logs import get_logger
+
+    async def thirteen(_store: PostgresStore) -> tuple[int, int]:
+        return (13, 16)
+
+    monkeypatch.setattr(PostgresStore, "server_version", thirteen)
+    settings = Settings(database_url=pg_url)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError) as refused:
+        await Daemon(settings, get_logger()).preflight()
+    assert str(refused.value) == (
+        "lock.mode: 'session' needs PostgreSQL 14 or later (idle_session_timeout is what "
+        "ends a stalled leader's session); the server is 13.16. Upgrade it, or set "
+        "SCHEDULER_LOCK__MODE=transaction."
+    )
+    transaction = Settings(database_url=pg_url, lock={"mode": "transaction"})  # type: ignore[arg-type]
+    assert await Daemon(transaction, get_logger()).preflight() is not None
