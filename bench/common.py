@@ -65,13 +65,14 @@ def start_daemon(
     }
     environment |= env or {}
     workdir.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(
-        [sys.executable, "-m", "scheduler_daemon", "run", "--only", only],
-        env=environment,
-        cwd=workdir,
-        stdout=subprocess.DEVNULL,
-        stderr=(workdir / "daemon.log").open("ab"),
-    )
+    with (workdir / "daemon.log").open("ab") as log:  # the child has its own copy
+        return subprocess.Popen(
+            [sys.executable, "-m", "scheduler_daemon", "run", "--only", only],
+            env=environment,
+            cwd=workdir,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
 
 
 def stop_daemon(process: subprocess.Popen[bytes]) -> None:
