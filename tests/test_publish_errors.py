@@ -15,7 +15,7 @@ import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -27,6 +27,7 @@ from test_publish import start
 from scheduler_daemon.config import Settings
 from scheduler_daemon.db.connect import is_transient, is_transient_database_error
 from scheduler_daemon.logs import get_logger
+from scheduler_daemon.loops.base import Tick
 from scheduler_daemon.loops.publish import TRANSIENT_BATCH_ATTEMPTS, PublishWork
 from scheduler_daemon.metrics import Metrics
 from scheduler_daemon.publishers import Published
@@ -327,3 +328,56 @@ async def test_a_transient_error_that_passes_resets_the_count() -> None:
     publisher.errors = {1: deadlock}
     with pytest.raises(asyncpg.DeadlockDetectedError):
         await work._run_publishers(FakeTx(), batch_of(1, 2), get_logger())  # type: ignore[arg-type]
+
+
+# -- wake-ups that arrive while a tick runs ------------------------------------------------
+
+
+class ScriptedTx:
+    """Answers the tick's two queries; `during` runs inside the tick, as a notification
+    arriving then would."""
+
+    def __init__(self, seconds_to_next: float | None, during: Callable[[], None]) -> None:
+        self.seconds_to_next = seconds_to_next
+        self.during = during
+
+    async def fetch(self, query: str, *args: Any) -> list[dict[str, Any]]:
+        if query == "publish_due":
+            self.during()
+            return []
+        assert query == "next_due_in"
+        return [{"seconds": self.seconds_to_next, "skipped": False, "db_epoch": time.time()}]
+
+
+class ScriptedLease:
+    def __init__(self) -> None:
+        self.tx: ScriptedTx | None = None
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[ScriptedTx]:
+        assert self.tx is not None
+        yield self.tx
+
+
+async def test_a_notification_during_a_tick_is_never_judged_against_the_last_plan() -> None:
+    """While draining, a tick plans the next one for "now" (rows still due); a row
+    scheduled 0.5 s ahead and committed after the next tick's last look notifies during
+    that tick. It must wake the loop right after the tick: compared with the stale plan
+    (already past) it looked not sooner, and waited a whole sleep (60 s while listening)."""
+    work = PublishWork(None, Settings(), [], Metrics(), get_logger())  # type: ignore[arg-type]
+    woken: list[float] = []
+    work.wake = lambda: woken.append(time.time())
+    lease = ScriptedLease()
+    tick = Tick("publish", 1, get_logger(), lease)  # type: ignore[arg-type]
+    lease.tx = ScriptedTx(0.0, during=lambda: None)
+    assert await work.tick(tick) == 0.0  # due now: the next tick is planned for now
+    woken.clear()
+
+    soon = (datetime.now(UTC) + timedelta(seconds=0.5)).isoformat()
+    lease.tx = ScriptedTx(None, during=lambda: work._on_notification(soon))
+    await work.tick(Tick("publish", 2, get_logger(), lease))  # type: ignore[arg-type]
+    assert woken, "the notification that arrived during the tick was dropped"
+
+    woken.clear()  # between ticks, a row due later than planned needs no wake-up
+    work._on_notification((datetime.now(UTC) + timedelta(hours=1)).isoformat())
+    assert woken == []

@@ -72,13 +72,18 @@ class PublishWork:
         self._deliverer: WebhookDeliverer | None = None
         self._delivering: asyncio.Task[None] | None = None
         self._watching: asyncio.Task[None] | None = None  # SQLite: the commit watcher
-        self._planned_wake = float("inf")  # time.time() of the next planned tick
+        # time.time() of the next planned tick; -inf while a tick runs.
+        self._planned_wake = float("inf")
         self._db_clock_offset = 0.0  # database clock minus ours, measured each tick
         # Publication id -> transient rollbacks in a row of the batch that held it (only
         # the last such batch; empty on the happy path). See _run_publishers.
         self._transient_strikes: dict[int, int] = {}
 
     async def tick(self, tick: Tick) -> float | None:
+        # While the tick runs, every notification wakes the next one: a row committed
+        # after this tick's last look would otherwise be judged against the previous
+        # tick's plan (in the past while draining a backlog) and wait a whole sleep.
+        self._planned_wake = float("-inf")
         if self._lease is not tick.lease:
             await self._start_leading(tick.lease)
         elif self.listener is not None:
@@ -220,9 +225,8 @@ class PublishWork:
                     version = await store.data_version()
                     if seen is not None and version != seen:
                         seconds = await store.next_due_in()
-                        if seconds is not None and time.time() + seconds < self._planned_wake:
-                            self._planned_wake = time.time() + max(seconds, 0.0)
-                            self.wake()
+                        if seconds is not None:
+                            self._due_at(time.time() + max(seconds, 0.0))
                     seen = version
             except Exception as exc:  # the tick reports database trouble; this only waits
                 self.log.debug("publish.watch_failed", error=describe(exc))
@@ -236,7 +240,14 @@ class PublishWork:
             due = datetime.fromisoformat(payload).timestamp() - self._db_clock_offset
         except ValueError:
             due = 0.0
-        if due < self._planned_wake:
+        self._due_at(due)
+
+    def _due_at(self, due: float) -> None:
+        """Something is due at ``due`` (time.time()): tick then if that is sooner than
+        planned, or right after the tick that is running now."""
+        if self._planned_wake == float("-inf"):
+            self.wake()
+        elif due < self._planned_wake:
             self._planned_wake = due
             self.wake()
 
