@@ -113,8 +113,9 @@ class PluginWork:
                 # it before this tick: see the guards' settle.)
                 if taking_over or not self.sticky:
                     await self._abandon(tx, tick.log)
-                claims = await self._claims(tx, now, tick.log)
-                wake = self._next_wake(await tx.fetch("task_states"), now, len(claims))
+                states = await tx.fetch("task_states")
+                claims = await self._claims(tx, states, now, tick.log)
+                wake = self._next_wake(states, now, len(claims))
                 if claims:
                     hold = await tick.lease.hold_after(tx)
         except BaseException:
@@ -126,9 +127,14 @@ class PluginWork:
             self._start_batch(tick.lease, hold, claims, tick.log)
         return wake
 
-    async def _claims(self, tx: Tx, now: datetime, log: Logger) -> list[Claim]:
+    async def _claims(
+        self, tx: Tx, rows: list[dict[str, Any]], now: datetime, log: Logger
+    ) -> list[Claim]:
+        """Claim what is due, updating ``rows`` (the tick's one read of the tasks' state)
+        to what this transaction wrote, so the next wake-up is planned from them. A
+        change another client commits meanwhile (a trigger) notifies: the next tick."""
         claims: list[Claim] = []
-        states = {row["name"]: row for row in await tx.fetch("task_states")}
+        states = {row["name"]: row for row in rows}
         for spec in self.tasks.values():
             state = states.get(spec.name)
             if state is None or not state["active"] or state["paused"]:
@@ -198,12 +204,15 @@ class PluginWork:
         triggered = state["trigger_requested_at"]
         if triggered is not None and await tx.fetch("trigger_consume", spec.name, triggered):
             slots.append(triggered)  # a manual run is a slot like any other
+            state["trigger_requested_at"] = None
         next_run_at: datetime = state["next_run_at"]
         step: Plan | None = None  # not due, or no place: stays due until a place frees
         if next_run_at <= now and self._capacity_left(claimed_so_far + len(slots)) > 0:
             step = plan(spec.schedule, next_run_at, now, spec.misfire)
-            if not await tx.fetch("task_advance", spec.name, next_run_at, step.next_run_at):
-                step = None  # someone else moved it: their decision stands
+            if await tx.fetch("task_advance", spec.name, next_run_at, step.next_run_at):
+                state["next_run_at"] = step.next_run_at
+            else:
+                step = None  # someone else moved it: their decision stands (look again)
         if step is not None:
             if step.missed:
                 log.warning(
