@@ -12,7 +12,15 @@ import time
 from bench.common import RESULTS
 
 # Each module has main(argv) taking --quick and --out.
-BENCHMARKS = ["publish", "short_notice", "worker_overhead", "failover"]
+BENCHMARKS = [
+    "publish",
+    "short_notice",
+    "worker_overhead",
+    "failover",
+    "idle",
+    "peers",
+    "growth",
+]
 
 parser = argparse.ArgumentParser(prog="python -m bench")
 parser.add_argument("--quick", action="store_true", help="a smoke run, about a minute")
