@@ -401,11 +401,11 @@ class LockSettings(Section):
                 f"max({interval}, {user_timeout:g} - max({idle}, {interval})), "
                 f"{interval} x {tcp['tcp_keepalives_count']}) = {frees:g}s"
             )
-        if self.standby == "poll" and self.poll_interval >= self.stall_timeout:
+        if self.standby == "poll" and self.poll_interval + TIMING_MARGIN > self.stall_timeout:
             raise ValueError(
-                f"lock.poll_interval ({self.poll_interval:g}s) must be shorter than "
-                f"lock.stall_timeout ({self.stall_timeout:g}s): the server ends a lock "
-                "session that is silent for stall_timeout, a polling standby's too"
+                f"lock.poll_interval ({self.poll_interval:g}s) + {TIMING_MARGIN:g}s must not "
+                f"exceed lock.stall_timeout ({self.stall_timeout:g}s): the server ends a "
+                "lock session that is silent for stall_timeout, a polling standby's too"
             )
         if stopped > self.stall_timeout + _EPSILON:
             raise ValueError(

@@ -162,6 +162,17 @@ async def probe_slowly(ctx: TaskContext) -> None:
     await asyncio.sleep(0.3)
 
 
+async def pause_in_transaction(ctx: TaskContext) -> None:
+    """Probe, then await something else for 4 s inside the same fenced transaction (an API
+    call, say), then probe again: longer than the tests' stall_timeout of 3 s."""
+    async with ctx.transaction() as tx:
+        await tx.run(f"INSERT INTO {PROBE_TABLE} (name, slot_text, instance, at_text) "
+                     f"VALUES ({_placeholders(tx, 3)}, 'before')", ctx.name, "s", ctx.instance)  # fmt: skip
+        await asyncio.sleep(4.0)
+        await tx.run(f"INSERT INTO {PROBE_TABLE} (name, slot_text, instance, at_text) "
+                     f"VALUES ({_placeholders(tx, 3)}, 'after')", ctx.name, "s", ctx.instance)  # fmt: skip
+
+
 def declarations() -> list[dict[str, Any]]:
     """An entry point's provider (tests register it with a fake distribution)."""
     return [{"name": "ep.tick", "every": "1s", "target": tick}]

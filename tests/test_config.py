@@ -382,8 +382,8 @@ def test_stall_timeout_leaves_room_for_the_work_to_stop(tmp_path: Path) -> None:
 def test_the_server_must_not_end_a_polling_standby_between_its_polls(tmp_path: Path) -> None:
     polling = '[lock]\nstandby = "poll"\n'
     with pytest.raises(ConfigError) as info:
-        load_settings(write(tmp_path, polling + 'poll_interval = "15s"\n'))
-    assert "lock.poll_interval (15s) must be shorter than lock.stall_timeout (15s)" in str(
+        load_settings(write(tmp_path, polling + 'poll_interval = "14.5s"\n'))
+    assert "lock.poll_interval (14.5s) + 1s must not exceed lock.stall_timeout (15s)" in str(
         info.value
     )
     assert load_settings(write(tmp_path, polling + 'poll_interval = "14s"\n')).lock.standby

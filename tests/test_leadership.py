@@ -225,8 +225,8 @@ def test_three_processes_on_one_sqlite_file_never_overlap(
 def test_healthy_work_longer_than_stall_timeout_is_not_evicted(
     pg_url: str, daemons: Daemons, mode: str
 ) -> None:
-    """stall_timeout (3 s) judges a leader's heartbeat, not how long its work takes: a
-    4 s SQL task runs to the end while a standby's watchdog looks on."""
+    """stall_timeout (3 s) is how long the lock session may be silent, not how long its
+    work may take: a 4 s SQL task (a statement running, not idle) runs to the end."""
     run_sync(create_tick_log(pg_url))
     env = {
         "SCHEDULER_LOCK__MODE": mode,

@@ -133,8 +133,9 @@ async def run_failover(pg_url: str, daemons: Daemons, duration: float, stop_lead
     abandoned = 1
 
     if stop_leader:
-        # SIGSTOP the new leader mid-run: it keeps its session, so only eviction by a
-        # standby (stall_timeout) frees the lock; the new leader abandons the frozen run.
+        # SIGSTOP the new leader mid-run: it keeps its session, so only eviction (the
+        # server's idle timeout, stall_timeout) frees the lock; the new leader abandons
+        # the frozen run.
         await asyncio.sleep(duration / 4)
         await poll(lambda: mid_run(pg_url, second), f"{second} to be mid-run")
         replicas[second].signal(signal.SIGSTOP)

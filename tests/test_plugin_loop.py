@@ -742,3 +742,28 @@ async def test_sample_plugin_task_runs_from_its_entry_point(
     tidy = await db.task("sample.tidy")
     assert tidy["schedule"] == "cron 30 3 * * * Europe/Berlin"
     assert tidy["next_run_at"] == Cron("30 3 * * *", "Europe/Berlin").next_after(tidy["created_at"])
+
+
+@pytest.mark.postgres
+async def test_a_pause_inside_a_fenced_transaction_is_not_taken_for_a_frozen_leader(
+    pg_url: str,
+) -> None:
+    """The server ends a lock session silent for stall_timeout (3 s here), idle inside a
+    transaction too. A task awaiting something else for 4 s inside ctx.transaction() is
+    alive: the heartbeat talks on the connection between its statements, so the run
+    commits and the leader keeps its lock."""
+    db_pg = Db(pg_url)
+    await db_pg.fetch(PROBE_DDL)
+    timings = {
+        "heartbeat_interval": 0.5, "stop_grace": 0.5, "stall_timeout": 3, "keepalive_idle": 1,
+        "keepalive_interval": 1, "keepalive_count": 3, "tcp_user_timeout": 4,
+    }  # fmt: skip
+    tasks = [task("pause", every="1h", target="plugin_targets:pause_in_transaction")]
+    async with running(pg_url, tasks, lock=timings) as daemon:
+        await at_least(db_pg, "pause", "succeeded", 1, within=20)
+        lost = daemon.metrics.registry.get_sample_value(
+            "scheduler_leadership_changes_total", {"loop": "plugin", "event": "lost"}
+        )
+    assert not lost
+    rows = await db_pg.fetch(f"SELECT at_text FROM {PROBE_TABLE} ORDER BY at_text DESC")
+    assert [row["at_text"] for row in rows] == ["before", "after"]

@@ -14,6 +14,7 @@ notification arrives on whichever server session ran it. There is no listener th
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,23 +33,28 @@ Callback = Callable[[str], None]
 
 
 class _Subscription:
-    """A channel's callback, in the shape asyncpg calls (and identifies) listeners by."""
+    """A channel's callback, in the shape asyncpg calls (and identifies) listeners by.
+    Unsubscribing only drops the callback: the channel stays LISTENed to, on a connection
+    that sends nothing, so that stepping down never waits on the network."""
 
-    def __init__(self, channel: str, callback: Callback) -> None:
-        self.channel = channel
+    def __init__(self, callback: Callback | None) -> None:
         self.callback = callback
 
     def __call__(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
-        self.callback(payload)
+        if self.callback is not None:
+            self.callback(payload)
 
 
 class Listener:
     def __init__(self, store: PostgresStore, log: Logger) -> None:
         self.store = store
         self.log = log
+        # Channel -> subscription; every key is LISTENed to on _conn while it is open.
         self._subscriptions: dict[str, _Subscription] = {}
         self._conn: asyncpg.Connection | None = None
         self._retry_at = 0.0
+        # Both loops may (re)subscribe at once: one connection, one command at a time.
+        self._lock = asyncio.Lock()
 
     @property
     def listening(self) -> bool:
@@ -57,44 +63,48 @@ class Listener:
 
     async def subscribe(self, channel: str, callback: Callback) -> None:
         """Call ``callback(payload)`` for each notification on ``channel``, and with ``""``
-        whenever notifications may have been missed (the connection was reopened)."""
-        await self.unsubscribe(channel)
-        subscription = _Subscription(channel, callback)
-        self._subscriptions[channel] = subscription
-        if self._conn is not None and self.listening:
-            try:
-                await self._conn.add_listener(channel, subscription)
-            except Exception as exc:
-                self.log.warning("listen.failed", channel=channel, error=describe(exc))
-                self.close()
-        else:
-            await self.ensure()
+        whenever notifications may have been missed (the connection was reopened or
+        lost)."""
+        async with self._lock:
+            known = self._subscriptions.get(channel)
+            if known is not None:
+                known.callback = callback  # still LISTENed to, if the connection is up
+            else:
+                subscription = self._subscriptions[channel] = _Subscription(callback)
+                if self._conn is not None and self.listening:
+                    try:
+                        await self._conn.add_listener(channel, subscription)
+                    except Exception as exc:
+                        self.log.warning("listen.failed", channel=channel, error=describe(exc))
+                        self._close()
+            await self._ensure()
 
-    async def unsubscribe(self, channel: str) -> None:
-        subscription = self._subscriptions.pop(channel, None)
-        if subscription is None or self._conn is None:
-            return
-        if not self._subscriptions:
-            self.close()
-            return
-        try:
-            await self._conn.remove_listener(channel, subscription)
-        except Exception as exc:  # the connection is going anyway; ensure() reopens it
-            self.log.debug("listen.unlisten_failed", channel=channel, error=describe(exc))
-            self.close()
+    def unsubscribe(self, channel: str) -> None:
+        """Stop calling the channel's callback; no network round trip (see _Subscription).
+        The connection is closed once no channel has a callback."""
+        subscription = self._subscriptions.get(channel)
+        if subscription is not None:
+            subscription.callback = None
+        if all(s.callback is None for s in self._subscriptions.values()):
+            self._subscriptions.clear()
+            self._close()
 
     async def ensure(self) -> None:
-        """(Re)open the connection if it is gone and channels want it; at most every
+        """(Re)open the connection if it is gone and a channel wants it; at most every
         LISTEN_RETRY after a failure."""
+        async with self._lock:
+            await self._ensure()
+
+    async def _ensure(self) -> None:
         if self.listening or not self._subscriptions or time.monotonic() < self._retry_at:
             return
-        self.close()
+        self._close()
         conn = None
         try:
             conn = await self.store.connect_dedicated("listen")
             # A dead path must not leave us trusting a LISTEN that hears nothing.
             detect_dead_peer(conn, self.store.settings.lock.step_down_after)
-            for channel, subscription in self._subscriptions.items():
+            for channel, subscription in list(self._subscriptions.items()):
                 await conn.add_listener(channel, subscription)
         except Exception as exc:
             if conn is not None:
@@ -115,10 +125,17 @@ class Listener:
 
     def _wake_all(self) -> None:
         for subscription in list(self._subscriptions.values()):
-            subscription.callback("")
+            if subscription.callback is not None:
+                subscription.callback("")
 
-    def close(self) -> None:
+    def _close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.remove_termination_listener(self._lost)
             conn.terminate()
+            self._wake_all()  # whoever still subscribes stops trusting it
+
+    def close(self) -> None:
+        """At shutdown: drop the connection."""
+        self._subscriptions.clear()
+        self._close()

@@ -8,6 +8,8 @@ dedicated connection with :meth:`PostgresStore.connect_dedicated`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
 import socket
@@ -91,12 +93,50 @@ def detect_dead_peer(conn: asyncpg.Connection, within: float) -> bool:
     return True
 
 
+@asynccontextmanager
+async def gated_transaction(
+    conn: asyncpg.Connection, gate: asyncio.Lock | None
+) -> AsyncIterator[None]:
+    """``conn.transaction()`` (a transaction, or a savepoint inside one) whose statements
+    (BEGIN or SAVEPOINT, and how it ends) each take ``gate`` first."""
+    # asyncpg's own context manager, its enter and its exit each taken under the gate.
+    transaction = conn.transaction()
+    async with _held(gate):
+        await transaction.__aenter__()
+    try:
+        yield
+    except BaseException as exc:
+        async with _held(gate):
+            await transaction.__aexit__(type(exc), exc, exc.__traceback__)
+        raise
+    async with _held(gate):
+        await transaction.__aexit__(None, None, None)
+
+
+def _held(gate: asyncio.Lock | None) -> contextlib.AbstractAsyncContextManager[Any]:
+    return gate if gate is not None else contextlib.nullcontext()
+
+
 class PgTx:
-    def __init__(self, conn: asyncpg.Connection, fencing_token: int | None = None) -> None:
+    """A transaction's statements. ``gate``: taken around each statement, so that a
+    heartbeat can talk on the same connection between them (session mode's lock
+    connection: see the session guard's heartbeat)."""
+
+    def __init__(
+        self,
+        conn: asyncpg.Connection,
+        fencing_token: int | None = None,
+        gate: asyncio.Lock | None = None,
+    ) -> None:
         self.conn = conn
         self.fencing_token = fencing_token
+        self.gate = gate
 
     async def execute(self, sql: str, statement_timeout: float | None = None) -> None:
+        async with _held(self.gate):
+            await self._execute(sql, statement_timeout)
+
+    async def _execute(self, sql: str, statement_timeout: float | None) -> None:
         if statement_timeout is None:
             await self.conn.execute(sql)
             return
@@ -109,17 +149,20 @@ class PgTx:
         await self.conn.execute("SELECT set_config('statement_timeout', $1, true)", previous)
 
     async def fetch(self, query: str, *args: Any) -> list[dict[str, Any]]:
-        return [dict(row) for row in await self.conn.fetch(Q[query], *args)]
+        async with _held(self.gate):
+            return [dict(row) for row in await self.conn.fetch(Q[query], *args)]
 
     async def run(self, sql: str, *args: Any) -> None:
-        await self.conn.execute(sql, *args)
+        async with _held(self.gate):
+            await self.conn.execute(sql, *args)
 
     async def run_many(self, sql: str, args: Sequence[Sequence[Any]]) -> None:
-        await self.conn.executemany(sql, args)
+        async with _held(self.gate):
+            await self.conn.executemany(sql, args)
 
     @asynccontextmanager
     async def savepoint(self) -> AsyncIterator[None]:
-        async with self.conn.transaction():
+        async with gated_transaction(self.conn, self.gate):
             yield
 
 

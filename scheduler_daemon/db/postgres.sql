@@ -150,9 +150,9 @@ WHERE locktype = 'advisory' AND pid = $2 AND objsubid = 1
 
 -- name: lock_sessions
 -- Who holds and who waits for a loop's lock, straight from the lock manager. A leader's
--- heartbeat is its lock session's last sign of life: now while it runs a statement,
--- else when its last one ended (session mode: a lock connection; transaction mode's
--- ticks write heartbeat_at, and their backends are the pool's).
+-- heartbeat is the holder's last sign of life: now while it runs a statement, else when
+-- its last one ended (it holds our lock, so its activity is ours), or the last one
+-- recorded (transaction mode's ticks write heartbeat_at).
 SELECT l.pid, l.granted, a.application_name, a.backend_start, a.state,
        host(a.client_addr) AS client_addr,
        s.instance, s.hostname, s.pid AS os_pid, s.acquired_at, h.heartbeat_at,
@@ -162,7 +162,7 @@ JOIN pg_stat_activity a ON a.pid = l.pid
 LEFT JOIN scheduler_leaders s
     ON s.loop = $1 AND s.lock_key = $2 AND s.backend_pid = l.pid
 CROSS JOIN LATERAL (SELECT greatest(s.heartbeat_at,
-    CASE WHEN s.backend_pid IS NULL OR a.application_name NOT LIKE '%/lock:%' THEN NULL
+    CASE WHEN s.backend_pid IS NULL OR NOT l.granted THEN NULL
          WHEN a.state = 'active' THEN now() ELSE a.state_change END) AS heartbeat_at) h
 WHERE l.locktype = 'advisory' AND l.objsubid = 1
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())

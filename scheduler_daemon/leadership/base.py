@@ -364,16 +364,20 @@ async def heartbeat(
         # pool cannot finish cancelling a query (releasing the connection waits for the
         # server's answer), so a cancelled heartbeat would hang with it. Wait for the
         # proof in a task of its own and abandon it when it is late.
+        # Given until step_down_after from the last proof, not a whole interval: a
+        # heartbeat that woke late must still decide in time.
+        sent = time.monotonic()
+        answer_within = max(0.0, lease.last_proven + lease.settings.lock.step_down_after - sent)
         proof = asyncio.ensure_future(prove())
         try:
-            await asyncio.wait({proof}, timeout=interval)
+            await asyncio.wait({proof}, timeout=answer_within)
         finally:
             if not proof.done():
                 proof.cancel()
                 proof.add_done_callback(_discard_outcome)
         if not proof.done():
             on_failure()
-            lease.lose(f"heartbeat failed: no answer within {interval:g}s", gone=False)
+            lease.lose(f"heartbeat failed: no answer within {answer_within:.1f}s", gone=False)
             return
         if (exc := proof.exception()) is not None:
             on_failure()
@@ -382,7 +386,9 @@ async def heartbeat(
         if not proof.result():
             lease.lose("lock no longer held (evicted or session ended)", gone=True)
             return
-        lease.last_proven = time.monotonic()
+        # As of when it was asked: an answer that arrives after a freeze proves nothing
+        # about the freeze.
+        lease.last_proven = sent
 
 
 def _since(started: float) -> float:

@@ -45,7 +45,7 @@ import asyncpg
 
 from ..aio import wait_any
 from ..config import LockSettings, Settings
-from ..db.postgres import PgTx, PostgresStore, detect_dead_peer
+from ..db.postgres import PgTx, PostgresStore, detect_dead_peer, gated_transaction
 from ..db.sqlfiles import queries
 from ..errors import describe
 from ..logs import Logger
@@ -80,8 +80,11 @@ class SessionLease(LeaseState):
         self.key = key
         self.backend_pid = backend_pid
         self.since = since
-        # One user of the connection at a time: the tick's transaction or a heartbeat ping.
+        # One user of the connection at a time: a tick's (or run's) transaction, or a
+        # heartbeat. Within a transaction, one statement at a time (the gate): between two
+        # of them a heartbeat may talk on the connection too.
         self.conn_lock = asyncio.Lock()
+        self.gate = asyncio.Lock()
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[PgTx]:
@@ -97,15 +100,19 @@ class SessionLease(LeaseState):
         async with self.conn_lock:
             if self.lost.is_set():
                 raise LeadershipLost(self.reason or "lost")
-            async with self.conn.transaction():
-                if not await self.conn.fetchval(Q["fence_begin"], self.key):
+            async with gated_transaction(self.conn, self.gate):
+                sent = time.monotonic()
+                async with self.gate:
+                    held = await self.conn.fetchval(Q["fence_begin"], self.key)
+                if not held:
                     self._fence_broken("the lock connection no longer holds the lock")
-                self.last_proven = time.monotonic()  # as good as a heartbeat
+                self.last_proven = sent  # as good as a heartbeat
                 try:
-                    async with self.conn.transaction():
-                        yield PgTx(self.conn, self.fencing_token)
+                    async with gated_transaction(self.conn, self.gate):
+                        yield PgTx(self.conn, self.fencing_token, self.gate)
                 finally:
-                    await self._restore()
+                    async with self.gate:
+                        await self._restore()
 
     async def _restore(self) -> None:
         if self.lost.is_set() or self.conn.is_closed():
@@ -289,6 +296,8 @@ class SessionGuard(GuardBase[PostgresStore]):
                 # was granted goes with it.
                 conn.terminate()
                 await asyncio.wait({waiting})
+                if not waiting.cancelled():
+                    waiting.exception()  # retrieved: the stop (or cancellation) is the news
             await asyncio.wait({stopping})
         if self.stop.is_set():
             if not waiting.cancelled():
@@ -300,13 +309,22 @@ class SessionGuard(GuardBase[PostgresStore]):
     async def _prove(self, lease: SessionLease) -> bool:
         """One heartbeat: the database still sees our lock session holding the key.
 
-        On the lock connection when it is free (checking and taking the lock without a
-        wait in between: the event loop runs nothing else), which also restarts the
-        server's idle timeout; through the pool while a tick holds it (the tick's own
-        statements keep the session from being idle)."""
+        Asked on the lock connection itself whenever nothing else is talking on it: when
+        no transaction holds it, or between two statements of one (a Python publisher
+        awaiting an API, a task's ``ctx.transaction()``). That restarts the server's idle
+        timeouts, so the server's clock of our silence never runs ahead of the proofs the
+        step-down is timed from (the event loop runs nothing else between the check and
+        the taking of a lock). Through the pool only while a statement runs on it, when
+        the session is busy and no idle timeout runs."""
         if not lease.conn_lock.locked():
             async with lease.conn_lock:
                 return bool(await lease.conn.fetchval(Q["lock_held"], self.key))
+        if not lease.gate.locked():
+            async with lease.gate:
+                try:
+                    return bool(await lease.conn.fetchval(Q["lock_held"], self.key))
+                except asyncpg.InFailedSQLTransactionError:
+                    pass  # it answered, so it is not idle; its transaction failed: the pool
         held = await self.store.pool.fetchval(Q["lock_entry"], self.key, lease.backend_pid)
         return held is True
 

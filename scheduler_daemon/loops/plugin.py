@@ -157,7 +157,7 @@ class PluginWork:
         before it lets the lock go."""
         self._lease = None
         if self.listener is not None:
-            await self.listener.unsubscribe(WAKE_CHANNEL)
+            self.listener.unsubscribe(WAKE_CHANNEL)
         if graceful and self._batches:
             await asyncio.wait(list(self._batches))
 

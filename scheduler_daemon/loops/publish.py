@@ -259,7 +259,7 @@ class PublishWork:
             self._delivering = None
             self._deliverer = None
         if self.listener is not None:
-            await self.listener.unsubscribe(WAKE_CHANNEL)
+            self.listener.unsubscribe(WAKE_CHANNEL)
         if self._watching is not None:
             self._watching.cancel()  # work of the lease: the guard waits for it to end
             self._watching = None

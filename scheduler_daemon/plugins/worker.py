@@ -22,7 +22,7 @@ What ties a worker to the daemon, beyond the exit status the forkserver reports:
   session, hence its lock, ends when it dies; its sync work must end too;
 - **the frozen-parent check**: the same thread reads the daemon's state in
   ``/proc/<pid>/stat`` every 50 ms and stops its group (SIGSTOP) while the daemon is
-  stopped. A SIGSTOPped leader is evicted by a standby after ``stall_timeout``; its
+  stopped. A SIGSTOPped leader is evicted by the server after ``stall_timeout``; its
   worker must not go on working meanwhile. The daemon, once running again, resumes the
   worker (SIGCONT) only while its lease is still fresh; otherwise it kills it.
 
