@@ -36,7 +36,7 @@ test: lint typecheck pytest
 chaos: $(STAMP)
 	$(BIN)/pytest -q --run-long -m chaos_long $(PYTEST_ARGS)
 
-# Full run (about 20 minutes here) and a one-minute smoke run of every benchmark; both
+# Full run (about 28 minutes here) and a smoke run of every benchmark (a few minutes); both
 # write bench/results/ (the quick one under bench/results/quick/, never over the full).
 BENCH_STAMP := $(VENV)/.bench-installed
 $(BENCH_STAMP): $(STAMP)

@@ -9,6 +9,7 @@ import argparse
 import importlib
 import time
 
+from bench import docs
 from bench.common import RESULTS
 
 # Each module has main(argv) taking --quick and --out.
@@ -34,3 +35,5 @@ for name in args.only:
         argv.append("--write")
     importlib.import_module(f"bench.{name}").main(argv)
     print(f"bench: {name} took {time.monotonic() - started:.0f} s", flush=True)
+if not args.quick:
+    docs.update()  # docs/performance.md shows what was just measured

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from rig.processes import Daemons, run_cli
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
 
 
 def shell_blocks() -> list[str]:
@@ -88,3 +89,17 @@ def test_make_run_loads_no_test_plugin(tmp_path: Path) -> None:
             [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path
         ).stdout
     )
+
+
+def test_the_performance_page_shows_the_committed_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/performance.md's tables are bench/results/*.md as committed (`make bench`
+    refreshes them; `python -m bench.docs` does it by hand), and every result has its
+    block."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import docs
+
+    page = docs.DOC.read_text()
+    assert docs.render(page) == page, "run `.venv/bin/python -m bench.docs`"
+    shown = {match[2] for match in docs.BLOCK.finditer(page)}
+    results = {path.stem for path in (ROOT / "bench" / "results").glob("*.md")}
+    assert shown == results
