@@ -80,7 +80,7 @@ def _plugin_events(process: DaemonProcess, event: str) -> list[dict[str, object]
 # -- two paths to one file: one leader ------------------------------------------------------
 
 
-@pytest.mark.parametrize("link", ["file", "directory"])
+@pytest.mark.parametrize("link", ["file", pytest.param("directory", marks=pytest.mark.chaos_long)])
 def test_two_paths_to_one_sqlite_file_elect_one_leader(
     link: str, sqlite_template: Path, daemons: Daemons, tmp_path: Path
 ) -> None:

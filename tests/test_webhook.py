@@ -559,6 +559,7 @@ async def test_transaction_mode_delivers_each_publication_once(
     check_one_replica_at_a_time(hook.calls)
 
 
+@pytest.mark.chaos_long  # `make chaos`: kept out of `make test`'s 10 minutes
 @pytest.mark.postgres
 async def test_transaction_mode_webhook_work_never_overlaps_across_replicas(
     daemons: Daemons, pg_url: str, hook_server: Serve
