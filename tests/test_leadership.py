@@ -223,7 +223,9 @@ def test_three_processes_on_one_sqlite_file_never_overlap(
         assert "database is locked" not in replica.output()
 
 
-@pytest.mark.parametrize("mode", ["session", "transaction"])
+@pytest.mark.parametrize(
+    "mode", ["session", pytest.param("transaction", marks=pytest.mark.chaos_long)]
+)
 def test_healthy_work_longer_than_stall_timeout_is_not_evicted(
     pg_url: str, daemons: Daemons, mode: str
 ) -> None:

@@ -659,6 +659,7 @@ async def test_session_mode_leader_killed_while_the_endpoint_holds_its_requests(
     assert all(c.replica == "r1" and c.start < killed_at for c in refused), refused
 
 
+@pytest.mark.chaos_long  # `make chaos`: kept out of `make test`'s 10 minutes
 @pytest.mark.postgres
 async def test_transaction_mode_a_lost_round_stops_its_posts_before_anyone_else_posts(
     daemons: Daemons, pg_url: str, hook_server: Serve
