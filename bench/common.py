@@ -51,23 +51,27 @@ def start_daemon(
     dsn: str,
     workdir: Path,
     interval: str = "1s",
-    only: str = "publish",
+    only: str | None = "publish",
     env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """A real `scheduler-daemon run` process, logging (JSON) to workdir/daemon.log."""
+    """A real `scheduler-daemon run` process, logging (JSON) to workdir/daemon.log.
+    ``only``: the one loop it runs, its interval set to `interval`; None: both loops,
+    at their configured intervals."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("SCHEDULER_")}
     environment |= {
         "SCHEDULER_DATABASE_URL": dsn,
         "SCHEDULER_HTTP__ENABLED": "false",
         "SCHEDULER_LOG__LEVEL": "warning",
         "SCHEDULER_LOG__FORMAT": "json",
-        f"SCHEDULER_{only.upper()}__INTERVAL": interval,
     }
+    if only is not None:
+        environment[f"SCHEDULER_{only.upper()}__INTERVAL"] = interval
     environment |= env or {}
     workdir.mkdir(parents=True, exist_ok=True)
+    loops = [] if only is None else ["--only", only]
     with (workdir / "daemon.log").open("ab") as log:  # the child has its own copy
         return subprocess.Popen(
-            [sys.executable, "-m", "scheduler_daemon", "run", "--only", only],
+            [sys.executable, "-m", "scheduler_daemon", "run", *loops],
             env=environment,
             cwd=workdir,
             stdout=subprocess.DEVNULL,

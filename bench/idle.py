@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from bench.common import (
     drop_database,
     fresh_database,
     save_results,
+    start_daemon,
 )
 from bench.peers import ServerLog, account_log, cpu_seconds, find_log, memory_mb, tree
 from scheduler_daemon.config import LockSettings
@@ -103,34 +103,23 @@ def extract_before(into: Path) -> Path:
 def start(
     dsn: str, config: Config, workdir: Path, before: Path | None
 ) -> list[subprocess.Popen[bytes]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SCHEDULER_")}
-    env |= {
-        "SCHEDULER_DATABASE_URL": dsn,
-        "SCHEDULER_HTTP__ENABLED": "false",
-        "SCHEDULER_LOG__FORMAT": "json",
-        "SCHEDULER_LOG__LEVEL": "warning",
+    env = {
         "SCHEDULER_PLUGIN__TASKS": json.dumps(IDLE_TASK),
         "SCHEDULER_PLUGIN__DISABLED": json.dumps(["purge_publications"]),
         **config.env,
     }
     if before is not None:
         env["PYTHONPATH"] = str(before)
-    only = [] if config.loops == "both" else ["--only", config.loops]
-    processes = []
-    for n in range(REPLICAS):
-        directory = workdir / f"r{n}"
-        directory.mkdir(parents=True, exist_ok=True)
-        with (directory / "daemon.log").open("ab") as log:
-            processes.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "scheduler_daemon", "run", *only],
-                    env=env | {"SCHEDULER_INSTANCE_ID": f"{config.name}-{n}"},
-                    cwd=directory,
-                    stdout=subprocess.DEVNULL,
-                    stderr=log,
-                )
-            )
-    return processes
+    only = None if config.loops == "both" else config.loops
+    return [
+        start_daemon(
+            dsn,
+            workdir / f"r{n}",
+            only=only,
+            env=env | {"SCHEDULER_INSTANCE_ID": f"{config.name}-{n}"},
+        )
+        for n in range(REPLICAS)
+    ]
 
 
 async def measure(
