@@ -70,6 +70,13 @@ def replace_host_port(dsn: str, host: str, port: int) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+def replace_user(dsn: str, user: str) -> str:
+    """`dsn` logging in as another role (no password: the rig's cluster trusts local TCP)."""
+    parts = urlsplit(dsn)
+    hostport = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}@{hostport}"))
+
+
 def new_database_name(prefix: str = "t_") -> str:
     return f"{prefix}{secrets.token_hex(6)}"
 

@@ -7,6 +7,12 @@ the machine has, and an unreaped zombie still "owns" ``postmaster.pid``, so the 
 start would refuse to run. Shutdown modes send the signals ``pg_ctl`` sends, and
 readiness is read from ``postmaster.pid`` the way ``pg_ctl -w`` reads it.
 
+For streaming replication (``rig.standby`` builds a primary and a standby from two of
+these): ``clone_from()`` makes a cluster a standby of another with ``pg_basebackup -R``,
+``promote()`` ends its recovery, ``start(tcp=False)`` serves the Unix socket only (to read
+a demoted primary's data where no TCP client can reach it), and ``run_tool()`` runs any
+server binary (``pg_waldump``, ``pg_controldata``) as the server's OS user.
+
 Linux only (``kill()`` reads ``/proc``). Never touches any other PostgreSQL server.
 """
 
@@ -175,6 +181,10 @@ class PgCluster:
     def dsn(self, dbname: str = "postgres") -> str:
         return f"postgresql://postgres@{self.host}:{self.port}/{dbname}"
 
+    def socket_dsn(self, dbname: str = "postgres") -> str:
+        """A DSN through the Unix socket, which also answers after ``start(tcp=False)``."""
+        return f"postgresql://postgres@/{dbname}?host={self.base_dir}&port={self.port}"
+
     def is_running(self) -> bool:
         return self._postmaster is not None and self._postmaster.poll() is None
 
@@ -187,21 +197,25 @@ class PgCluster:
 
     # -- lifecycle -------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Start the server and wait until it accepts connections."""
+    def start(self, *, tcp: bool = True) -> None:
+        """Start the server and wait until it accepts connections.
+
+        ``tcp=False``: on the Unix socket in ``base_dir`` only (``listen_addresses=''``;
+        see :meth:`socket_dsn`), so that no client of the TCP port can reach this server.
+        """
         if self.is_running():
             raise PgClusterError("the cluster is already running")
         if self._base_dir is None:
             self._initdb()
         if self._port is not None:
-            self._launch(self._port)
+            self._launch(self._port, tcp=tcp)
             return
         # A port that was free when probed can be taken before the postmaster binds it;
         # only the first start may move to another one (later ones keep the DSN stable).
         for attempt in range(3):
             port = _free_port()
             try:
-                self._launch(port)
+                self._launch(port, tcp=tcp)
             except PgClusterError:
                 if attempt == 2 or "could not bind" not in self.log_tail(5):
                     raise
@@ -262,6 +276,72 @@ class PgCluster:
                 shutil.rmtree(self._base_dir, ignore_errors=True)
                 self._base_dir = None
 
+    # -- replication ------------------------------------------------------------------
+
+    def clone_from(
+        self, host: str, port: int, *, application_name: str, primary_conninfo: str | None = None
+    ) -> None:
+        """Make this cluster a standby of the server at ``host:port``: a fresh data
+        directory from ``pg_basebackup -R`` (WAL streamed alongside), replacing whatever
+        data it had. It keeps its directory and its port, so a DSN naming it stays valid
+        when a demoted primary is rebuilt as a standby. Start it afterwards.
+
+        ``primary_conninfo`` (default: ``host``/``port``) is where the standby streams
+        from, under ``application_name`` (what ``synchronous_standby_names`` names).
+        Settings a copied ``postgresql.auto.conf`` carried from the source's own role
+        (its ``synchronous_standby_names``, its ``primary_conninfo``) are dropped: the
+        standby would inherit them on promotion.
+        """
+        if self.is_running():
+            raise PgClusterError("stop the cluster before cloning another into it")
+        if self._base_dir is None:
+            self._make_base_dir()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+        self.run_tool(
+            "pg_basebackup", "-D", str(self.data_dir), "-R", "-X", "stream", "-c", "fast",
+            "--no-sync", "-h", host, "-p", str(port), "-U", "postgres",
+        )  # fmt: skip
+        conninfo = primary_conninfo or f"host={host} port={port} user=postgres"
+        auto_conf = self.data_dir / "postgresql.auto.conf"
+        dropped = ("synchronous_standby_names", "primary_conninfo")
+        kept = [
+            line
+            for line in auto_conf.read_text().splitlines()
+            if not line.strip().startswith(dropped)
+        ]
+        kept.append(
+            _conf_line("primary_conninfo", f"{conninfo} application_name={application_name}")
+        )
+        auto_conf.write_text("\n".join(kept) + "\n")
+
+    def promote(self, *, wait: bool = True) -> None:
+        """End a standby's recovery (``pg_ctl promote``). ``wait``: return once it is a
+        primary (``-w``, which looks every 0.1 s); else at once, for a caller that
+        watches more closely itself."""
+        if not self.is_running():
+            raise PgClusterError("the cluster is not running")
+        how = ["-w", "-t", str(int(self.timeout))] if wait else ["-W"]
+        self.run_tool("pg_ctl", "promote", *how, "-D", str(self.data_dir))
+
+    def run_tool(
+        self, tool: str, *args: str, check: bool = True, env: Mapping[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a binary of ``bindir`` as the server's OS user, in ``base_dir``; with
+        ``check``, a non-zero exit raises :class:`PgClusterError` with its output."""
+        result = subprocess.run(
+            [str(self.bindir / tool), *args],
+            capture_output=True,
+            text=True,
+            timeout=self.timeout,
+            env={**os.environ, **env} if env is not None else None,
+            **self._as_server(),
+        )
+        if check and result.returncode != 0:
+            raise PgClusterError(
+                f"{tool} failed ({result.returncode}):\n{result.stdout}{result.stderr}"
+            )
+        return result
+
     def __enter__(self) -> Self:
         try:
             self.start()
@@ -280,12 +360,16 @@ class PgCluster:
 
     # -- internals -------------------------------------------------------------------
 
-    def _initdb(self) -> None:
+    def _make_base_dir(self) -> Path:
         base_dir = Path(tempfile.mkdtemp(prefix="scheduler-pg-"))
         self._base_dir = base_dir
         if self._os_user is not None:
             # mkdtemp makes it 0700 root: the server user must own what it writes into.
             os.chown(base_dir, self._os_user.uid, self._os_user.gid)
+        return base_dir
+
+    def _initdb(self) -> None:
+        base_dir = self._make_base_dir()
         command = [str(self.bindir / "initdb"), "-D", str(self.data_dir), "-A", "trust"]
         command += ["-U", "postgres", "--no-sync", "-E", "UTF8", "--no-locale"]
         result = subprocess.run(
@@ -299,12 +383,14 @@ class PgCluster:
                 f"initdb failed ({result.returncode}):\n{result.stdout}{result.stderr}{hint}"
             )
 
-    def _launch(self, port: int) -> None:
+    def _launch(self, port: int, *, tcp: bool = True) -> None:
         settings = {
             **self._settings,
             "port": str(port),
             "unix_socket_directories": str(self.base_dir),
         }
+        if not tcp:
+            settings["listen_addresses"] = ""
         command = [str(self.bindir / "postgres"), "-D", str(self.data_dir)]
         for name, value in settings.items():
             command += ["-c", f"{name}={value}"]
@@ -372,6 +458,12 @@ class _ServerProcessArgs(TypedDict, total=False):
     user: int
     group: int
     extra_groups: list[int]
+
+
+def _conf_line(name: str, value: str) -> str:
+    """``name = 'value'`` as postgresql.conf quotes it (a quote doubled)."""
+    quoted = value.replace("'", "''")
+    return f"{name} = '{quoted}'"
 
 
 def _child_pids(parent: int) -> list[int]:
