@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import click
 
 from . import __version__
-from .client import Client, ignored_changes
+from .client import MAX_PAYLOAD_DEPTH, Client, ignored_changes
 from .config import LogSettings, Settings, load_settings, parse_duration
 from .db import Publication, PublicationFilter, ScheduleResult, Store
 from .db.connect import connect, explain_database_error
@@ -51,6 +51,30 @@ config_option = click.option(
     default=None,
     help="TOML config file (env: SCHEDULER_CONFIG). SCHEDULER_* variables override it.",
 )
+
+
+def _text(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A string a database can store (a click callback). An argument's bytes that are not
+    UTF-8 reach Python as lone surrogates (``\\udcff`` for the byte 0xff), which no driver
+    can encode: refused here, as a usage error naming the option, not as an internal error
+    later."""
+    if value is None:
+        return None
+    if "\x00" in value:  # impossible in a real argv; possible from Python
+        raise click.BadParameter("contains a NUL character", ctx, param)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = ord(value[exc.start])
+        what = f"the byte {char - 0xDC00:#04x}" if 0xDC80 <= char <= 0xDCFF else "a surrogate"
+        raise click.BadParameter(
+            f"is not UTF-8 text ({what} at position {exc.start})", ctx, param
+        ) from None
+    return value
+
+
+# Publication ids are bigints: a larger number can name nothing, and no driver sends it.
+PUBLICATION_ID = click.IntRange(-(2**63), 2**63 - 1)
 
 
 # Where _settings() leaves the command's settings (click's per-invocation context), for
@@ -252,14 +276,24 @@ def parse_when(text: str, now: datetime | None = None, option: str = "--at") -> 
                 f"{option} {text!r}: not a relative time like +90s, +10m or -1h"
             ) from None
         sign = -1 if text[0] == "-" else 1
-        return (now or datetime.now(UTC)) + timedelta(seconds=sign * seconds)
+        try:
+            return (now or datetime.now(UTC)) + timedelta(seconds=sign * seconds)
+        except OverflowError:
+            raise InvalidInput(f"{option} {text!r}: {_OUT_OF_RANGE}") from None
     try:
         when = datetime.fromisoformat(text)
     except ValueError:
         raise InvalidInput(f"{option} {text!r}: not an ISO 8601 time") from None
     if when.tzinfo is None:
         raise InvalidInput(f"{option} {text!r}: give a timezone (e.g. Z or +02:00)")
+    try:
+        when.astimezone(UTC)  # 9999-12-31T23:00-05:00 is in the year 10000 in UTC
+    except OverflowError:
+        raise InvalidInput(f"{option} {text!r}: {_OUT_OF_RANGE}") from None
     return when
+
+
+_OUT_OF_RANGE = "out of range (years 1 to 9999, in UTC)"
 
 
 def _describe(publication: Publication) -> dict[str, Any]:
@@ -272,9 +306,10 @@ def _describe(publication: Publication) -> dict[str, Any]:
 @click.option(
     "--at", "at", required=True, help="When: ISO 8601 with timezone, or +10m (-10m: --allow-past)."
 )
-@click.option("--payload", default="{}", show_default=True, help="JSON payload.")
+@click.option("--payload", callback=_text, default="{}", show_default=True, help="JSON payload.")
 @click.option(
     "--key",
+    callback=_text,
     default=None,
     help="Idempotency key: scheduling it again changes nothing (the first request wins).",
 )
@@ -298,22 +333,37 @@ def schedule(
         )
     try:
         data = json.loads(payload)
-    except json.JSONDecodeError as exc:
+    except RecursionError:
+        raise InvalidInput(
+            f"--payload is nested deeper than {MAX_PAYLOAD_DEPTH} levels of arrays and objects"
+        ) from None
+    except ValueError as exc:  # not JSON, or an integer longer than Python reads (4300 digits)
         raise InvalidInput(f"--payload is not valid JSON: {exc}") from None
 
     async def main() -> None:
+        publish_at = when
         async with _client(settings) as client:
-            result = await client.schedule(when, data, key=key)
+            if at.strip()[:1] in ("+", "-"):
+                # Counted from the database's clock, which decides due-ness: on a client
+                # whose clock is minutes off, `+10s` must still mean ten seconds.
+                publish_at = when + (await _database_now(client.store) - now)
+            result = await client.schedule(publish_at, data, key=key)
         if not result.created:
-            click.echo(_repeated_key_notice(result, when, data), err=True)
+            click.echo(_repeated_key_notice(result, publish_at, data), err=True)
         click.echo(result.publication.id)
 
     _run(main())
 
 
+async def _database_now(store: Store) -> datetime:
+    async with store.transaction(readonly=True) as tx:
+        now: datetime = (await tx.fetch("now"))[0]["now"]
+    return now
+
+
 @cli.command()
 @config_option
-@click.argument("publication_id", type=int)
+@click.argument("publication_id", type=PUBLICATION_ID)
 @handles_errors
 def cancel(config_file: Path | None, publication_id: int) -> None:
     """Cancel a scheduled publication."""
@@ -419,7 +469,7 @@ def tasks_list(config_file: Path | None, as_json: bool) -> None:
 
 def _task_action(query: str, done: str) -> Callable[[Path | None, str], None]:
     @config_option
-    @click.argument("name")
+    @click.argument("name", callback=_text)
     @handles_errors
     def action(config_file: Path | None, name: str) -> None:
         if not _task_rows(_settings(config_file), query, name):
@@ -535,7 +585,11 @@ def _one_line(text: str | None, limit: int = 60) -> str:
 )
 @click.option("--due-after", help="publish_at at or after this: ISO 8601, or +10m / -1h.")
 @click.option("--due-before", help="publish_at before this: ISO 8601, or +10m / -1h.")
-@click.option("--key", help="This key; with a trailing *, every key that starts with the rest.")
+@click.option(
+    "--key",
+    callback=_text,
+    help="This key; with a trailing *, every key that starts with the rest.",
+)
 @click.option(
     "--limit",
     type=click.IntRange(1, 10_000),
@@ -598,8 +652,10 @@ def publications_list(
 
 @publications.command("show")
 @config_option
-@click.argument("publication_id", type=int, required=False)
-@click.option("--key", help="The publication scheduled with this key, instead of an ID.")
+@click.argument("publication_id", type=PUBLICATION_ID, required=False)
+@click.option(
+    "--key", callback=_text, help="The publication scheduled with this key, instead of an ID."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @handles_errors
 def publications_show(

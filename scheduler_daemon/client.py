@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Final
 
-from .config import PublishSettings, Settings
+from .config import MAX_TASK_NAME_LENGTH, PublishSettings, Settings
 from .db import Publication, PublicationFilter, ScheduleResult, Store
 from .db.common import explain_cancel_refusal
 from .db.connect import connect
@@ -39,13 +40,58 @@ from .logs import Logger, get_logger
 
 #: ``publish.max_payload_bytes`` unless configured otherwise (1 MiB).
 DEFAULT_MAX_PAYLOAD_BYTES: Final[int] = PublishSettings.model_fields["max_payload_bytes"].default
+#: Arrays and objects inside one another, at most. Far beyond any real payload, and far
+#: below what every reader copes with: Python's json (about 1,000 levels), PostgreSQL's
+#: parser, the CLI's output. A PostgreSQL constraint holds plain SQL to it too.
+MAX_PAYLOAD_DEPTH: Final = 100
+#: Characters in a key, as in a task name: a unique index entry must stay under
+#: PostgreSQL's 2,704 bytes, and a `notify` message carrying it under 8,000.
+MAX_KEY_LENGTH: Final = MAX_TASK_NAME_LENGTH
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _unstorable(text: str) -> str | None:
+    """Why PostgreSQL cannot store this text (SQLite could: refused on both alike)."""
+    if "\x00" in text:
+        return "a NUL character (\\u0000), which PostgreSQL text and jsonb cannot hold"
+    found = _SURROGATE.search(text)
+    if found is not None:
+        return f"a lone surrogate ({ascii(found.group())[1:-1]}), which is not Unicode text"
+    return None
+
+
+def _check_payload(payload: Any) -> None:
+    """Depth and text of a payload that json.dumps accepted (so it has no cycle); without
+    recursion, so that no payload can exhaust the stack here."""
+    pending: list[tuple[Any, int]] = [(payload, 0)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, str):
+            problem = _unstorable(value)
+            if problem is not None:
+                raise InvalidInput(f"payload holds {problem}")
+        elif isinstance(value, dict | list | tuple) and value:
+            if depth >= MAX_PAYLOAD_DEPTH:
+                raise InvalidInput(
+                    f"payload is nested deeper than {MAX_PAYLOAD_DEPTH} levels of arrays "
+                    "and objects"
+                )
+            items = [*value, *value.values()] if isinstance(value, dict) else value
+            pending.extend((item, depth + 1) for item in items)
 
 
 def encode_payload(payload: Any, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> str:
     """``payload`` as compact JSON text; refused (:class:`InvalidInput`) if it is not JSON
-    (a set, NaN, …) or longer than ``max_payload_bytes`` once encoded."""
+    (a set, NaN, …), is nested deeper than :data:`MAX_PAYLOAD_DEPTH`, holds text no
+    database can store (NUL, a lone surrogate) or is longer than ``max_payload_bytes``
+    once encoded."""
     try:
         text = json.dumps(payload, allow_nan=False, separators=(",", ":"))
+    except RecursionError:
+        raise InvalidInput(
+            f"payload is nested deeper than {MAX_PAYLOAD_DEPTH} levels of arrays and objects"
+        ) from None
     except (TypeError, ValueError) as exc:
         raise InvalidInput(f"payload is not JSON-serialisable: {exc}") from None
     size = len(text.encode())
@@ -54,6 +100,7 @@ def encode_payload(payload: Any, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BY
             f"payload is {size} bytes, over the limit of {max_payload_bytes} "
             "(publish.max_payload_bytes)"
         )
+    _check_payload(payload)
     return text
 
 
@@ -67,14 +114,29 @@ def validate_schedule(
     """Every rule a scheduling request must pass; returns the payload as JSON text, ready
     for ``scheduler_publications.payload``. Raises :class:`InvalidInput`.
 
-    The rules: ``publish_at`` is timezone-aware; ``key`` is None or not blank; the payload
-    (None means ``{}``) is JSON of at most ``max_payload_bytes``. A time in the past is
-    accepted: the publication is due at once.
+    The rules: ``publish_at`` is timezone-aware and in the years 1 to 9999 in UTC;
+    ``key`` is None, or not blank, at most :data:`MAX_KEY_LENGTH` characters, and text
+    PostgreSQL can store (no NUL, no lone surrogate); the payload (None means ``{}``) is
+    JSON of at most ``max_payload_bytes``, nested at most :data:`MAX_PAYLOAD_DEPTH`
+    levels, its strings storable text too. A time in the past is accepted: the
+    publication is due at once.
     """
     if publish_at.tzinfo is None or publish_at.utcoffset() is None:
         raise InvalidInput("publish time must be timezone-aware (e.g. 2027-01-01T09:00Z)")
-    if key is not None and not key.strip():
-        raise InvalidInput("key must not be empty")
+    try:
+        publish_at.astimezone(UTC)
+    except OverflowError:
+        raise InvalidInput(
+            f"publish time {publish_at.isoformat()} is out of range (years 1 to 9999, in UTC)"
+        ) from None
+    if key is not None:
+        if not key.strip():
+            raise InvalidInput("key must not be empty")
+        if len(key) > MAX_KEY_LENGTH:
+            raise InvalidInput(f"key is {len(key)} characters, over the limit of {MAX_KEY_LENGTH}")
+        problem = _unstorable(key)
+        if problem is not None:
+            raise InvalidInput(f"key holds {problem}")
     return encode_payload({} if payload is None else payload, max_payload_bytes)
 
 

@@ -64,8 +64,29 @@ def parse_duration(value: Any) -> Any:
     return value
 
 
+# The longest any duration may be: 100 years. Durations become datetimes (a task's next
+# slot), asyncio timers and PostgreSQL intervals, none of which takes infinity, and a slot
+# computed past the year 9999 does not exist in Python.
+MAX_DURATION = 100 * 365 * 86400.0
+
 # Seconds, as a float. Positive: zero-length intervals and timeouts are always a mistake.
-Duration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0)]
+Duration = Annotated[
+    float, BeforeValidator(parse_duration), Field(gt=0, le=MAX_DURATION, allow_inf_nan=False)
+]
+
+# PostgreSQL's integers (statement_timeout in milliseconds, counters compared in SQL).
+_PG_INT_MAX = 2**31 - 1
+_MAX_STATEMENT_TIMEOUT = _PG_INT_MAX / 1000
+
+
+def refuse_nul(value: Any) -> Any:
+    """Refuse text holding U+0000 (TOML's ``\\u0000``): no PostgreSQL text, file name, host
+    name, URL or environment variable can hold it, so it would fail later, far from here."""
+    texts = value if isinstance(value, list | tuple) else [value]
+    if any(isinstance(text, str) and "\x00" in text for text in texts):
+        raise ValueError("contains a NUL character (\\x00), which no setting can hold")
+    return value
+
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -117,12 +138,21 @@ class Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_nul(cls, value: Any) -> Any:
+        return refuse_nul(value)
+
+
+# asyncpg sets up every place of a pool up front: a size of 10**9 would never start.
+_MAX_POOL_SIZE = 10_000
+
 
 class DatabaseSettings(Section):
-    pool_min_size: int = Field(default=1, ge=0)
-    pool_max_size: int = Field(default=5, ge=1)
+    pool_min_size: int = Field(default=1, ge=0, le=_MAX_POOL_SIZE)
+    pool_max_size: int = Field(default=5, ge=1, le=_MAX_POOL_SIZE)
     connect_timeout: Duration = 5.0
-    statement_timeout: Duration = 30.0
+    statement_timeout: Duration = Field(default=30.0, le=_MAX_STATEMENT_TIMEOUT)
     startup_budget: Duration = 60.0
     # The same, for the one-shot commands someone waits for (status, schedule, tasks, …).
     command_budget: Duration = 5.0
@@ -212,12 +242,18 @@ class PublishSettings(Section):
         return self
 
 
+# A task name is a primary key: its index entry must stay under PostgreSQL's 2,704 bytes
+# (four bytes a character at most). The same as a publication key's limit (client.py).
+MAX_TASK_NAME_LENGTH = 500
+
+
 class PluginTaskSettings(Section):
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=MAX_TASK_NAME_LENGTH)
     every: Duration | None = None
     cron: str | None = None
     timezone: str = "UTC"
-    timeout: Duration = 300.0
+    # An SQL task's statement_timeout is its timeout plus a second (loops/plugin.py).
+    timeout: Duration = Field(default=300.0, le=_MAX_STATEMENT_TIMEOUT - 1)
     misfire: Literal["run_once", "skip"] = "run_once"
     enabled: bool = True
     target: str | None = None
@@ -238,9 +274,9 @@ class PluginSettings(Section):
     # Task runs in flight at once; a due task waits for a free place.
     concurrency: int = Field(default=4, ge=1, le=1000)
     # A task that fails this many times in a row is paused (resume with `tasks resume`).
-    max_consecutive_failures: int = Field(default=5, ge=1)
+    max_consecutive_failures: int = Field(default=5, ge=1, le=_PG_INT_MAX)
     # Rows of run history kept per task in scheduler_plugin_runs.
-    history: int = Field(default=1000, ge=1)
+    history: int = Field(default=1000, ge=1, le=_PG_INT_MAX)
     # Load tasks from the entry-point group scheduler_daemon.plugins.
     entry_points: bool = True
     # Task names (from config, plugins or built-ins) not to run.
@@ -472,6 +508,11 @@ class Settings(BaseSettings):
         # env first makes the environment win over the file.
         return (env_settings, init_settings)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_nul(cls, value: Any) -> Any:
+        return refuse_nul(value)
+
     @model_validator(mode="after")
     def _pool_fits_transaction_mode(self) -> Settings:
         # Transaction mode works on pooled connections only: at once a tick, the hold it
@@ -493,25 +534,43 @@ class Settings(BaseSettings):
         return data
 
 
+def _printable(text: str) -> str:
+    """``text`` as it is, or quoted with its escapes if it holds a newline, a control
+    character or a surrogate: an error stays one readable line whatever it names."""
+    return text if text.isprintable() else repr(text)
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
+    shown = _printable(str(path))
     try:
         with path.open("rb") as fh:
             return tomllib.load(fh)
     except FileNotFoundError:
-        raise ConfigError(f"config file {path}: not found") from None
+        raise ConfigError(f"config file {shown}: not found") from None
     except OSError as exc:
-        raise ConfigError(f"config file {path}: {exc.strerror}") from None
+        raise ConfigError(f"config file {shown}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path}: invalid TOML: {exc}") from None
+        raise ConfigError(f"config file {shown}: invalid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {shown}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
+            f"offset {exc.start}); TOML files are UTF-8"
+        ) from None
+    except RecursionError:
+        raise ConfigError(f"config file {shown}: invalid TOML: nested too deeply") from None
 
 
 def _task_names(file_values: Mapping[str, Any]) -> list[Any]:
     """Task names by position, from the environment (which wins) or the file, so that an
     error in ``plugin.tasks.2`` can say which task it is."""
     raw = os.environ.get("SCHEDULER_PLUGIN__TASKS")
+    plugin = file_values.get("plugin", {})
     try:
-        tasks = json.loads(raw) if raw else file_values.get("plugin", {}).get("tasks", [])
-    except json.JSONDecodeError:
+        # `plugin` may be anything but a table: the error being explained may be that.
+        tasks = (
+            json.loads(raw) if raw else plugin.get("tasks", []) if isinstance(plugin, dict) else []
+        )
+    except (json.JSONDecodeError, RecursionError):
         return []
     if not isinstance(tasks, list):
         return []
@@ -555,7 +614,7 @@ def _field_is_secret(loc: list[str]) -> bool:
 
 def _describe(error: Mapping[str, Any], task_names: list[Any]) -> str:
     loc = [str(part) for part in error["loc"]]
-    parts = list(loc)
+    parts = [_printable(part) for part in loc]
     if parts[:2] == ["plugin", "tasks"] and len(parts) > 2 and parts[2].isdigit():
         index = int(parts[2])
         if index < len(task_names) and task_names[index]:
@@ -635,6 +694,7 @@ def check_environment(environ: Mapping[str, str]) -> None:
     known = setting_variables()
     for variable in sorted(environ):
         name = variable.upper()  # pydantic-settings reads them case-insensitively
+        shown = _printable(variable)
         if not name.startswith(ENV_PREFIX) or name in OTHER_ENV:
             continue
         if name.startswith(OTHER_ENV_PREFIXES):
@@ -643,13 +703,17 @@ def check_environment(environ: Mapping[str, str]) -> None:
             close = difflib.get_close_matches(name, [*known, *OTHER_ENV], n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ConfigError(
-                f"invalid config: {variable}: unknown variable, not a setting{hint} "
+                f"invalid config: {shown}: unknown variable, not a setting{hint} "
                 "(every setting is listed in config.example.toml)"
             )
         key, annotation = known[name]
         if _is_json(annotation):
             try:
                 json.loads(environ[variable])
+            except RecursionError:
+                raise ConfigError(
+                    f"invalid config: {shown}: JSON nested too deeply for {key}"
+                ) from None
             except ValueError as exc:
                 shape = (
                     'a JSON list, e.g. \'["a", "b"]\''
@@ -658,7 +722,7 @@ def check_environment(environ: Mapping[str, str]) -> None:
                 )
                 where = getattr(exc, "msg", str(exc))
                 raise ConfigError(
-                    f"invalid config: {variable}: not valid JSON ({where}); {key} takes {shape}"
+                    f"invalid config: {shown}: not valid JSON ({where}); {key} takes {shape}"
                 ) from None
 
 

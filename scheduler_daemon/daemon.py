@@ -6,7 +6,8 @@ Lifecycle (one AsyncExitStack owns every resource; each step registers its own c
    ``/readyz`` says what startup is waiting for);
 2. connect to the database, retrying within ``database.startup_budget`` (exit 69 after;
    exit 78 at once if it refuses the login);
-3. migrate (serialised across replicas);
+3. migrate (serialised across replicas); on a schema newer than this build knows, the
+   loops start idle and never contend (schema_gate.py);
 4. start one owned task per enabled loop and wait until each has really started; then
    ``/readyz`` and ``/status`` answer from the database;
 5. run until a stop is requested, or until a loop task ends by itself — a bug, so the
@@ -41,6 +42,7 @@ from .plugins.builtin import builtin_tasks
 from .plugins.tasks import TaskSpec, load_tasks
 from .plugins.worker import Workers
 from .publishers import Publisher, build_publishers
+from .schema_gate import SchemaGate
 from .sdnotify import Notifier
 
 LoopName = Literal["publish", "plugin"]
@@ -60,6 +62,7 @@ class Daemon:
         self.started = asyncio.Event()
         self.forced = False
         self.metrics = Metrics()
+        self.schema = SchemaGate(settings.database_url.backend)
         self._tasks: list[TaskSpec] = []
         self._publishers: list[Publisher] = []
         self._workers: Workers | None = None
@@ -168,12 +171,15 @@ class Daemon:
         applied = await within_startup_budget(
             store.migrate, self.settings, self.log, failed_event="db.migrate_failed"
         )
+        version = await store.schema_version()
         self.log.info(
             "db.migrated",
             backend=store.backend,
             applied=[m.version for m in applied],
-            version=await store.schema_version(),
+            version=version,
         )
+        self.schema.note(version, self.log, "startup")
+        await self._refuse_missing_grants(store)
 
     async def _run(self) -> int:
         self._validate_config()
@@ -204,7 +210,7 @@ class Daemon:
                 work, interval = self._build(name, store, listener)
                 guard = self._guard(name, store)
                 runners[name] = LoopRunner(
-                    work, guard, interval, self.stopping, self.log, self.metrics
+                    work, guard, interval, self.stopping, self.log, self.metrics, self.schema
                 )
             tasks: dict[str, asyncio.Task[None]] = {
                 name: asyncio.create_task(runner.run(), name=f"loop:{name}")
@@ -229,7 +235,9 @@ class Daemon:
         """Listen now; the store comes with :meth:`HttpServer.attach` once we are up."""
         if not self.settings.http.enabled:
             return
-        http = HttpServer(self.settings, None, self.metrics, self.log, self.stopping)
+        http = HttpServer(
+            self.settings, None, self.metrics, self.log, self.stopping, schema=self.schema
+        )
         await http.start()
         self.http = http
         stack.push_async_callback(http.stop)
@@ -246,6 +254,8 @@ class Daemon:
             return "stopping"
         if not loops:
             return "running, no loops enabled"
+        if self.schema.outdated:
+            return self.schema.describe()
         leading = [
             name
             for name in loops
@@ -266,6 +276,7 @@ class Daemon:
             self.log,
             self.metrics,
             self.stopping,
+            self.schema,
         )
 
     def _lock_key(self, name: LoopName) -> int:
@@ -293,6 +304,22 @@ class Daemon:
                 f"one looks like a transaction pooler (PgBouncer pool_mode=transaction?): "
                 f"{reason}. Set SCHEDULER_LOCK__MODE=transaction."
             )
+
+    async def _refuse_missing_grants(self, store: db.Store) -> None:
+        """Exit 78 now, naming every missing grant, rather than lead never (db/privileges.py)."""
+        from .db.postgres import PostgresStore
+        from .db.privileges import refuse_missing_grants, required_grants
+
+        if not isinstance(store, PostgresStore):
+            return
+        need = required_grants(
+            self.enabled_loops(),
+            session=self.settings.lock.mode == "session",
+            webhook="webhook" in self.settings.publish.publishers,
+            purge=any(task.name == "purge_publications" for task in self._tasks),
+        )
+        async with store.pool.acquire() as conn:
+            await refuse_missing_grants(conn, need, f"database {self.settings.database_url}")
 
     async def _until_stopped(self, startup: Coroutine[Any, Any, T]) -> T | None:
         """Await a startup step unless a stop is requested first (then return None)."""

@@ -83,6 +83,8 @@ def describe(exc: BaseException) -> str:
     it was raised from, if that one has a message.
     """
     message = str(exc).strip() or _without_message(exc)
+    # asyncpg puts the server's DETAIL and HINT on lines of their own: one line here.
+    message = " ".join(line.strip() for line in message.splitlines() if line.strip())
     return redact(f"{type(exc).__name__}: {message}")
 
 

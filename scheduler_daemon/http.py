@@ -15,7 +15,8 @@ loops run. Until then the server is *starting*: it reports the startup phase
   blocked loop answers nothing, and the orchestrator restarts the process.
 - ``/readyz``: 200 when the database answers a trivial query within ``PROBE_TIMEOUT`` and
   the schema is at the newest migration this build knows; otherwise 503 with a JSON
-  reason (``starting: connecting to the database`` while starting). The same probe keeps
+  reason (``starting: connecting to the database`` while starting; ``outdated: …`` on a
+  schema newer than this build, where it leads nothing). The same probe keeps
   ``scheduler_database_up`` current, and ``/metrics`` runs it too, so the gauge is fresh
   at every scrape even where nothing polls ``/readyz``.
 - ``/metrics``: the daemon's own registry (never the process-global default one), in the
@@ -44,6 +45,7 @@ from .db.sqlfiles import migrations
 from .errors import ConfigError, describe
 from .logs import Logger
 from .metrics import Metrics
+from .schema_gate import SchemaGate
 from .status import collect_status, replica_status, summarize
 
 # A database that needs longer than this for `SELECT version` is not serving us.
@@ -86,11 +88,13 @@ class HttpServer:
         metrics: Metrics,
         log: Logger,
         stopping: asyncio.Event | None = None,
+        schema: SchemaGate | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.log = log
         self.stopping = stopping
+        self.schema = schema  # the daemon's: whether this replica found itself outdated
         self._store = store
         self._phase = "starting"
         self._runner: web.AppRunner | None = None
@@ -226,6 +230,13 @@ class HttpServer:
             self.metrics.database_up.set(0)
             return Readiness(False, self._database_failed(exc), None, expected)
         self.metrics.database_up.set(1)
+        if version is not None and version > expected:
+            # Never ready: a readiness gate waits for the new build's replicas, not these.
+            reason = (
+                f"outdated: schema at version {version}, newer than this build's newest "
+                f"migration {expected}; this replica leads nothing until it is replaced"
+            )
+            return Readiness(False, reason, version, expected)
         if version != expected:
             reason = f"schema at version {version}, this build expects {expected}"
             return Readiness(False, reason, version, expected)
@@ -266,7 +277,7 @@ class HttpServer:
             # Anyone who can reach the port reads this: no database URL, host names, pids
             # or client addresses unless the operator opted in (docs/operations.md).
             report = summarize(report)
-        report["replica"] = replica_status(self.settings, self.metrics)
+        report["replica"] = replica_status(self.settings, self.metrics, self.schema)
         return web.json_response(report, dumps=json.dumps)
 
     def _database_failed(self, exc: Exception) -> str:

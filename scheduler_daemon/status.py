@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 from .config import Settings
 from .db.base import Store
-from .db.sqlfiles import queries
+from .db.sqlfiles import migrations, queries
 from .leadership.sqlite_flock import lock_path
 from .output import json_value
 
 if TYPE_CHECKING:  # the CLI imports this module; it has no use for prometheus_client
     from .metrics import Metrics
+    from .schema_gate import SchemaGate
 
 APP_PREFIX = "scheduler-daemon/"
 
@@ -183,14 +184,28 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
-def replica_status(settings: Settings, metrics: Metrics) -> dict[str, Any]:
+def replica_status(
+    settings: Settings, metrics: Metrics, schema: SchemaGate | None = None
+) -> dict[str, Any]:
     """This replica, as the process serving ``/status`` knows itself: its instance id and,
-    per loop, ``leader``, ``standby`` or ``off`` (not run here: disabled, ``--only``)."""
+    per loop, ``leader``, ``standby`` or ``off`` (not run here: disabled, ``--only``).
+
+    A replica that found the schema newer than its build knows says ``outdated`` for each
+    loop it would run (it contends for none), and an ``outdated`` entry with both versions
+    (schema_gate.py); a replica that is not outdated has no such entry."""
+    outdated = schema is not None and schema.outdated
     loops: dict[str, str] = {}
     for loop in _loop_keys(settings):
         value = metrics.registry.get_sample_value("scheduler_leader", {"loop": loop})
-        loops[loop] = "off" if value is None else "leader" if value == 1 else "standby"
-    return {"instance": settings.instance_id, "loops": loops}
+        role = "outdated" if outdated else "standby"
+        loops[loop] = "off" if value is None else "leader" if value == 1 else role
+    report: dict[str, Any] = {"instance": settings.instance_id, "loops": loops}
+    if schema is not None and schema.outdated:
+        report["outdated"] = {
+            "schema_version": schema.found,
+            "newest_migration": schema.newest,
+        }
+    return report
 
 
 def render_status(report: dict[str, Any]) -> str:
@@ -198,6 +213,12 @@ def render_status(report: dict[str, Any]) -> str:
         f"database   {report['database']} ({report['backend']}, schema "
         f"v{report['schema_version']}, lock mode {report['lock_mode']})",
     ]
+    newest = migrations(report["backend"])[-1].version
+    if (report["schema_version"] or 0) > newest:
+        lines.append(
+            f"{'':<10} schema v{report['schema_version']} is newer than this build's newest "
+            f"migration (v{newest}): replicas of this build stand by and lead nothing"
+        )
     for loop, info in report["loops"].items():
         leader = info["leader"]
         if leader:

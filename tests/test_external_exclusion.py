@@ -404,7 +404,7 @@ def test_a_run_that_swallows_cancellation_ends_its_process_not_the_exclusion(
 # -- transaction mode -------------------------------------------------------------------
 
 
-@pytest.mark.chaos_long  # `make chaos`: kept out of `make test`'s 10 minutes
+@pytest.mark.chaos_long  # `make test-long`: kept out of `make test`'s 10 minutes
 def test_transaction_mode_runs_python_work_on_one_replica_at_a_time(
     pg_url: str, daemons: Daemons, tmp_path: Path
 ) -> None:
@@ -436,7 +436,7 @@ def test_transaction_mode_runs_python_work_on_one_replica_at_a_time(
     assert counts.get("failed", 0) == 0, counts
 
 
-@pytest.mark.chaos_long  # `make chaos`: kept out of `make test`'s 10 minutes
+@pytest.mark.chaos_long  # `make test-long`: kept out of `make test`'s 10 minutes
 def test_transaction_mode_a_timed_out_sync_target_never_runs_beside_another_replica(
     pg_url: str, daemons: Daemons, tmp_path: Path
 ) -> None:
@@ -464,7 +464,7 @@ def test_transaction_mode_a_timed_out_sync_target_never_runs_beside_another_repl
     assert {row["status"] for row in statuses} <= {"timed_out", "abandoned"}, statuses
 
 
-@pytest.mark.chaos_long  # `make chaos`: kept out of `make test`'s 10 minutes
+@pytest.mark.chaos_long  # `make test-long`: kept out of `make test`'s 10 minutes
 def test_transaction_mode_a_long_sql_task_delays_others_without_failing_them(
     pg_url: str, daemons: Daemons, tmp_path: Path
 ) -> None:

@@ -408,7 +408,7 @@ def tcp_proxy(pg_server: PgServer, tcp_proxy_factory: Callable[[str, int], TcpPr
     return tcp_proxy_factory(pg_server.host, pg_server.port)
 
 
-@pytest.mark.chaos_long  # `make chaos`: kept out of `make test`'s 10 minutes
+@pytest.mark.chaos_long  # `make test-long`: kept out of `make test`'s 10 minutes
 def test_a_leader_cut_off_silently_steps_down_and_a_standby_takes_over(
     pg_url: str, daemons: Daemons, tcp_proxy: TcpProxy
 ) -> None:

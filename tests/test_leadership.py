@@ -155,7 +155,7 @@ def test_five_replicas_session_mode_never_overlap(pg_url: str, daemons: Daemons)
     assert len(summary["plugin"]) == 2, summary
 
 
-@pytest.mark.chaos_long  # `make chaos`: kept out of `make test`'s 10 minutes
+@pytest.mark.chaos_long  # `make test-long`: kept out of `make test`'s 10 minutes
 def test_five_replicas_transaction_mode_never_overlap(pg_url: str, daemons: Daemons) -> None:
     run_sync(create_tick_log(pg_url))
     env = {"SCHEDULER_LOCK__MODE": "transaction", "SCHEDULER_LOG__LEVEL": "debug"}
@@ -189,7 +189,7 @@ async def probe_runs(dsn: str) -> list[dict[str, Any]]:
     return [dict(row) for row in rows]
 
 
-@pytest.mark.chaos_long  # `make chaos`: kept out of `make test`'s 10 minutes
+@pytest.mark.chaos_long  # `make test-long`: kept out of `make test`'s 10 minutes
 def test_three_processes_on_one_sqlite_file_never_overlap(
     sqlite_url: str, daemons: Daemons, tmp_path: Path
 ) -> None:

@@ -193,7 +193,7 @@ async def check_runs(pg_url: str, duration: float, abandoned: int) -> None:
     assert largest < GAP_BOUND, f"the schedule stalled for {largest:.2f}s (bound {GAP_BOUND}s)"
 
 
-@pytest.mark.chaos_long  # `make chaos`: kept out of `make test`'s 10 minutes
+@pytest.mark.chaos_long  # `make test-long`: kept out of `make test`'s 10 minutes
 async def test_leader_killed_then_next_leader_stopped(pg_url: str, daemons: Daemons) -> None:
     """~13 s: SIGKILL the first leader mid-run, SIGSTOP the second mid-run, SIGCONT it."""
     await run_failover(pg_url, daemons, duration=12.0, stop_leader=True)

@@ -135,6 +135,26 @@ async def test_a_read_only_transaction_refuses_writes(pg_url: str) -> None:
         await store.close()
 
 
+@pytest.mark.postgres
+async def test_every_session_asks_the_server_to_notice_a_vanished_client(pg_url: str) -> None:
+    """Pool and LISTEN sessions carry the lock session's keepalive and user timeout too, so
+    the server closes all of a vanished replica's sessions, not only the one that locks."""
+    settings = Settings(database_url=pg_url)
+    store = await open_store(settings)
+    try:
+        dedicated = await store.connect_dedicated("listen")  # type: ignore[attr-defined]
+        try:
+            async with store.pool.acquire() as pooled:  # type: ignore[attr-defined]
+                for conn in (pooled, dedicated):
+                    for name, value in settings.lock.server_tcp_settings().items():
+                        shown = await conn.fetchval("SELECT current_setting($1)", name)
+                        assert int(shown.removesuffix("ms").removesuffix("s")) == value, name
+        finally:
+            await dedicated.close()
+    finally:
+        await store.close()
+
+
 async def test_opening_a_missing_sqlite_file_without_create_leaves_none(tmp_path: Path) -> None:
     path = tmp_path / "scheduler.db"
     settings = Settings(database_url=f"sqlite:///{path}")

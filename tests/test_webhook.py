@@ -559,7 +559,7 @@ async def test_transaction_mode_delivers_each_publication_once(
     check_one_replica_at_a_time(hook.calls)
 
 
-@pytest.mark.chaos_long  # `make chaos`: kept out of `make test`'s 10 minutes
+@pytest.mark.chaos_long  # `make test-long`: kept out of `make test`'s 10 minutes
 @pytest.mark.postgres
 async def test_transaction_mode_webhook_work_never_overlaps_across_replicas(
     daemons: Daemons, pg_url: str, hook_server: Serve
@@ -659,7 +659,7 @@ async def test_session_mode_leader_killed_while_the_endpoint_holds_its_requests(
     assert all(c.replica == "r1" and c.start < killed_at for c in refused), refused
 
 
-@pytest.mark.chaos_long  # `make chaos`: kept out of `make test`'s 10 minutes
+@pytest.mark.chaos_long  # `make test-long`: kept out of `make test`'s 10 minutes
 @pytest.mark.postgres
 async def test_transaction_mode_a_lost_round_stops_its_posts_before_anyone_else_posts(
     daemons: Daemons, pg_url: str, hook_server: Serve

@@ -177,15 +177,16 @@ def _role(url: DatabaseUrl | None) -> str | None:
 
 def _refusal(exc: BaseException, url: DatabaseUrl | None) -> SchedulerError | None:
     """A refusal that retrying cannot change (exit 78): the login, or a privilege."""
+    # One line: the server's DETAIL comes on a line of its own ("User does not have
+    # CONNECT privilege.") and says which privilege.
+    message = " ".join(redact(str(exc)).split())
     if is_login_refused(exc):
-        return LoginRefused(
-            f"database_url {url}: the database refused the login: {redact(str(exc))}"
-        )
+        return LoginRefused(f"database_url {url}: the database refused the login: {message}")
     if is_privilege_refused(exc):
         role = _role(url)
         to = f" to the role {role!r}" if role else ""
         return PrivilegeRefused(
-            f"database {url}: {redact(str(exc))} (SQLSTATE 42501): grant that privilege{to}, "
+            f"database {url}: {message} (SQLSTATE 42501): grant that privilege{to}, "
             "or set database_url to a role that has it"
         )
     return None
@@ -211,8 +212,13 @@ def explain_database_error(exc: BaseException, url: DatabaseUrl) -> SchedulerErr
     if isinstance(exc, asyncpg.UndefinedTableError) or (
         isinstance(exc, sqlite3.OperationalError) and message.startswith("no such table")
     ):
+        # PostgreSQL hides a schema the role may not use (no USAGE) from name lookup.
+        hidden = "" if url.backend != "postgres" else (
+            " (if it was run: this role may lack USAGE on the tables' schema, or not have "
+            "it on its search_path)"
+        )  # fmt: skip
         return SchemaMissing(
-            f"{where}: schema not found ({message}): run `scheduler-daemon migrate`"
+            f"{where}: schema not found ({message}): run `scheduler-daemon migrate`{hidden}"
         )
     if isinstance(exc, sqlite3.OperationalError) and _database_says_not_now(exc):
         return DatabaseBusy(

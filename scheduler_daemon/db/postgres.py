@@ -21,7 +21,8 @@ from typing import Any, Final
 import asyncpg
 
 from ..config import Settings
-from ..errors import explain_timeouts
+from ..errors import PrivilegeRefused, explain_timeouts
+from ..redact import redact
 from .base import (
     AppliedMigration,
     Publication,
@@ -30,7 +31,8 @@ from .base import (
     ScheduleResult,
 )
 from .common import explain_cancel_refusal
-from .sqlfiles import migrations, queries
+from .privileges import refuse_missing_grants, refuse_unusable_schema
+from .sqlfiles import Migration, migrations, queries
 from .url import DatabaseUrl
 
 Q = queries("postgres")
@@ -38,6 +40,24 @@ Q = queries("postgres")
 # Serialises `migrate` across replicas. A transaction-level lock on a dedicated
 # connection: a replica that starts at the same moment waits, then finds nothing to do.
 MIGRATION_LOCK_KEY = 0x5C4ED01E_00000001
+# How long a migration waits for the loops' fenced transactions in flight (and for its
+# DDL's locks) before it rolls back and is retried with backoff. While it waits, every
+# loop's next fenced transaction queues behind it: this bounds that pause, should a
+# long SQL task or transaction-mode run be in flight.
+MIGRATION_LOCK_TIMEOUT = 2.0
+# A migration's first step: wait until no fenced transaction of a loop is in flight (each
+# reads the version in its first statement, which holds ACCESS SHARE on the table until it
+# ends), and make every later one wait for this migration and then see its version
+# (schema_gate.py).
+LOCK_VERSION_TABLE = "LOCK TABLE scheduler_schema_version IN ACCESS EXCLUSIVE MODE"
+# Sent by a migration that applied something, delivered when it commits: every leader
+# listening (loops/publish.py, loops/plugin.py) ticks now, so an older replica's next
+# fenced transaction sees the new version and it hands its locks over at once, not at its
+# next planned tick. An empty payload means "look again" on both channels.
+WAKE_LEADERS = (
+    "SELECT pg_notify('scheduler_publications_due', ''), "
+    "pg_notify('scheduler_plugin_tasks_changed', '')"
+)
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
@@ -54,6 +74,37 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     mode user SQL runs on the lock connections, never on the pool. An open transaction is
     still rolled back (asyncpg does that before calling this). Transaction mode keeps the
     default: there tasks' and publishers' SQL runs on pooled connections."""
+
+
+async def _pending(conn: asyncpg.Connection, url: DatabaseUrl) -> list[Migration]:
+    """The migrations of this build that the database has not applied yet."""
+    # Found through search_path, as the migrations' own unqualified names are.
+    if not await conn.fetchval("SELECT to_regclass('scheduler_schema_version') IS NOT NULL"):
+        await refuse_unusable_schema(conn, f"database {url}")
+        return list(migrations("postgres"))
+    try:
+        done = {row["version"] for row in await conn.fetch(Q["applied_versions"])}
+    except asyncpg.InsufficientPrivilegeError:
+        # Named as the GRANT that fixes it, as every grant the loops need is.
+        version_table = {("table", "scheduler_schema_version"): {"SELECT"}}
+        await refuse_missing_grants(conn, version_table, f"database {url}")
+        raise
+    return [m for m in migrations("postgres") if m.version not in done]
+
+
+def _cannot_migrate(
+    url: DatabaseUrl, pending: Sequence[Migration], exc: asyncpg.PostgresError
+) -> PrivilegeRefused:
+    """A migration refused for a privilege: with the usual split of roles, a runtime role
+    started against a schema its owner has not upgraded yet. Say which migrations wait."""
+    names = ", ".join(f"{m.version:04d}_{m.name}" for m in pending)
+    message = " ".join(redact(str(exc)).split())  # one line, DETAIL included
+    return PrivilegeRefused(
+        f"database {url}: cannot apply migrations {names}: {message} "
+        "(SQLSTATE 42501): run `scheduler-daemon migrate` as the role that owns the "
+        "scheduler's tables first, or give this role CREATE on the schema "
+        "(docs/security.md)"
+    )
 
 
 def _publication(row: Mapping[str, Any]) -> Publication:
@@ -208,6 +259,12 @@ class PostgresStore:
         # transaction mode each transaction sets its own timeout instead (SET LOCAL).
         if settings.lock.mode == "session":
             values["statement_timeout"] = str(int(settings.database.statement_timeout * 1000))
+            # Every session, not only the lock's: a replica whose host vanished (a dead
+            # switch) would otherwise leave its pool and LISTEN sessions open on the server
+            # for tcp_keepalives_idle's default of 2 hours, holding connection slots.
+            values.update(
+                {name: str(value) for name, value in settings.lock.server_tcp_settings().items()}
+            )
         return values
 
     async def connect_dedicated(
@@ -237,17 +294,36 @@ class PostgresStore:
     async def migrate(self) -> list[AppliedMigration]:
         applied: list[AppliedMigration] = []
         conn = await self.connect_dedicated("migrate")
+        pending: list[Migration] = []
         try:
+            # Looked at before any DDL: even CREATE TABLE IF NOT EXISTS needs CREATE on the
+            # schema, which a runtime role that only runs the loops does not have (and
+            # should not: docs/security.md). Versions only grow, so "nothing to apply"
+            # read without the lock stays true.
+            pending = await _pending(conn, self.url)
+            if not pending:
+                return applied
             async with conn.transaction():
                 await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK_KEY)
                 await conn.execute(Q["create_version_table"])
                 done = {row["version"] for row in await conn.fetch(Q["applied_versions"])}
-                for migration in migrations("postgres"):
-                    if migration.version in done:
-                        continue
+                todo = [m for m in migrations("postgres") if m.version not in done]
+                if todo:  # (none: another replica applied them while we waited)
+                    # Migrators queue on the advisory lock, so only this one upgrades its
+                    # read's ACCESS SHARE: no deadlock with another.
+                    timeout_ms = int(MIGRATION_LOCK_TIMEOUT * 1000)
+                    await conn.execute(f"SET LOCAL lock_timeout = {timeout_ms}")
+                    await conn.execute(LOCK_VERSION_TABLE)
+                for migration in todo:
                     await conn.execute(migration.sql)
                     await conn.execute(Q["record_version"], migration.version, migration.name)
                     applied.append(AppliedMigration(migration.version, migration.name))
+                if applied:
+                    await conn.execute(WAKE_LEADERS)
+        except asyncpg.InsufficientPrivilegeError as exc:
+            if not pending:
+                raise  # reading the versions: the usual explanation names the table
+            raise _cannot_migrate(self.url, pending, exc) from None
         finally:
             await conn.close()
         return applied

@@ -65,14 +65,29 @@ ON CONFLICT (loop) DO UPDATE SET
 RETURNING token, (SELECT token FROM previous) AS previous
 
 -- name: leader_predecessor
--- Read by a new leader before it claims the row: who led last and did not hand over (a
--- graceful release deletes the row).
-SELECT instance, hostname, pid FROM scheduler_leaders WHERE loop = $1 AND lock_key = $2
+-- Read by a new leader before it claims the row: the schema version (an older replica
+-- granted the lock on a newer schema lets it go at once: schema_gate.py), and who led last
+-- and did not hand over (a graceful release deletes the row; instance is NULL then).
+SELECT (SELECT max(version) FROM scheduler_schema_version) AS schema_version,
+       p.instance, p.hostname, p.pid
+FROM (SELECT 1) AS one
+LEFT JOIN scheduler_leaders p ON p.loop = $1 AND p.lock_key = $2
 
 -- name: instance_sessions
--- Sessions of a daemon instance (its application_name prefix), other than ours.
-SELECT count(*) AS n FROM pg_stat_activity
-WHERE left(application_name, length($1)) = $1 AND pid <> pg_backend_pid()
+-- Sessions of a daemon instance (its application_name prefix), other than ours, and how
+-- many of them wait for advisory lock $2 (the one we hold): those stand by for the loop,
+-- so the instance's own leadership of it has ended. Its old lock session, which the
+-- server may still list a moment after freeing the lock, held the lock: it does not wait.
+SELECT count(*) AS n,
+       count(*) FILTER (WHERE EXISTS (
+           SELECT 1 FROM pg_locks l
+           WHERE l.pid = a.pid AND l.locktype = 'advisory' AND NOT l.granted
+             AND l.objsubid = 1
+             AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+             AND l.classid = (($2::bigint >> 32) & 4294967295)::oid
+             AND l.objid = ($2::bigint & 4294967295)::oid)) AS waiting
+FROM pg_stat_activity a
+WHERE left(a.application_name, length($1)) = $1 AND a.pid <> pg_backend_pid()
 
 -- name: leader_claim
 -- Run on the lock connection right after the lock is granted.
@@ -122,7 +137,11 @@ WHERE loop = $1 AND lock_key = $2 AND backend_pid = pg_backend_pid()
 -- the lock (false if it somehow lost it), and now this transaction holds it too. The
 -- transaction-level hold is re-entrant for the holder, and pg_advisory_unlock_all() does
 -- not release it: while it lasts, SQL run inside the transaction cannot free the lock.
-SELECT h.held AND pg_try_advisory_xact_lock($1)
+-- And the schema version, whose read holds ACCESS SHARE on scheduler_schema_version until
+-- the transaction ends: a migration waits for this transaction, and one that committed
+-- first is seen (schema_gate.py). One statement: no round trip added to a tick.
+SELECT h.held AND pg_try_advisory_xact_lock($1) AS held,
+       (SELECT max(version) FROM scheduler_schema_version) AS schema_version
 FROM (SELECT EXISTS (
     SELECT 1 FROM pg_locks
     WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid() AND objsubid = 1
@@ -308,6 +327,22 @@ SET status = 'published', published_at = clock_timestamp(), published_by = $2,
     attempts = p.attempts + 1, last_error = NULL
 FROM due
 WHERE p.id = due.id
+RETURNING p.id, p.key, p.payload, p.publish_at, p.published_at
+
+-- name: publish_due_ids
+-- The rows publish_due would take, for a batch that one row in it makes unreadable (see
+-- PublishWork._take_one_by_one): ids only, so that each row is then read on its own.
+SELECT id FROM scheduler_publications
+WHERE status = 'scheduled' AND publish_at <= now()
+ORDER BY publish_at, id
+LIMIT $1
+FOR UPDATE SKIP LOCKED
+
+-- name: publish_one
+UPDATE scheduler_publications AS p
+SET status = 'published', published_at = clock_timestamp(), published_by = $2,
+    attempts = p.attempts + 1, last_error = NULL
+WHERE p.id = $1 AND p.status = 'scheduled'
 RETURNING p.id, p.key, p.payload, p.publish_at, p.published_at
 
 -- name: publication_fail

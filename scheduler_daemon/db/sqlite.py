@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import json
 import os
+import re
 import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -47,9 +48,40 @@ def to_db_time(value: datetime) -> str:
     return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+# SQLite's own grammar for a date and time (date.c), which rows written by hand may use and
+# fromisoformat() reads only part of: a date, then optionally (after any run of spaces and
+# T's, none included) HH:MM[:SS[.digits]] and a zone (spaces, then Z, z or ±HH:MM), then
+# spaces. Fields are not range-checked here: julianday() has accepted the row already.
+_SPACE = "[ \t\n\v\f\r]"
+_SQLITE_TIME = re.compile(
+    rf"([0-9]{{4}})-([0-9]{{2}})-([0-9]{{2}})(?:(?:{_SPACE}|T)*([0-9]{{2}}):([0-9]{{2}})"
+    rf"(?::([0-9]{{2}})(?:\.([0-9]+))?)?{_SPACE}*(?:[zZ]|([+-])([0-9]{{2}}):([0-9]{{2}}))?)?"
+    rf"{_SPACE}*"
+)
+
+
+def _from_sqlite_grammar(value: str) -> datetime | None:
+    match = _SQLITE_TIME.fullmatch(value)
+    if match is None:
+        return None
+    year, month, day, hour, minute, second, fraction, sign, zone_h, zone_m = match.groups()
+    # Day and hour arithmetic as SQLite's (2027-02-31 is 3 March, 24:00 the next day).
+    parsed = datetime(int(year), int(month), 1, tzinfo=UTC) + timedelta(
+        days=int(day) - 1,
+        hours=int(hour or 0),
+        minutes=int(minute or 0),
+        seconds=int(second or 0),
+        microseconds=int((fraction or "0")[:6].ljust(6, "0")),
+    )
+    if sign is not None:
+        offset = timedelta(hours=int(zone_h), minutes=int(zone_m))
+        parsed = parsed - offset if sign == "+" else parsed + offset
+    return parsed
+
+
 def from_db_time(value: str | float | None) -> datetime | None:
     """Our own writes are ISO 8601; rows written by hand may hold anything julianday()
-    accepts (the schema's CHECK), such as a Julian day number."""
+    accepts that starts with a date, or a Julian day number (migration 0005's triggers)."""
     if value is None:
         return None
     if isinstance(value, int | float):
@@ -57,6 +89,9 @@ def from_db_time(value: str | float | None) -> datetime | None:
     try:
         parsed = datetime.fromisoformat(value.replace(" ", "T"))
     except ValueError:
+        written = _from_sqlite_grammar(value)
+        if written is not None:
+            return written
         try:
             return from_julian_day(float(value))
         except ValueError:

@@ -217,6 +217,20 @@ WHERE id IN (
 )
 RETURNING id, key, payload, publish_at, published_at
 
+-- name: publish_due_ids
+-- See the PostgreSQL query of the same name.
+SELECT id FROM scheduler_publications
+WHERE status = 'scheduled' AND julianday(publish_at) <= julianday('now')
+ORDER BY julianday(publish_at), id
+LIMIT ?1
+
+-- name: publish_one
+UPDATE scheduler_publications
+SET status = 'published', published_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'),
+    published_by = ?2, attempts = attempts + 1, last_error = NULL
+WHERE id = ?1 AND status = 'scheduled'
+RETURNING id, key, payload, publish_at, published_at
+
 -- name: publication_fail
 UPDATE scheduler_publications
 SET status = 'failed', published_at = NULL, last_error = ?2

@@ -16,6 +16,7 @@ from ..config import Settings
 from ..db.base import Store
 from ..logs import Logger
 from ..metrics import Metrics
+from ..schema_gate import SchemaGate
 from .base import Guard, LeadershipLost, Lease, NotLeader, PendingHold, Stopping
 
 __all__ = [
@@ -37,6 +38,7 @@ def make_guard(
     log: Logger,
     metrics: Metrics,
     stop: asyncio.Event,
+    schema: SchemaGate,
 ) -> Guard:
     from ..db.postgres import PostgresStore
     from ..db.sqlite import SqliteStore
@@ -44,7 +46,7 @@ def make_guard(
     if isinstance(store, SqliteStore):
         from .sqlite_flock import FlockGuard
 
-        guard = FlockGuard(loop, key, store, settings, log, metrics, stop)
+        guard = FlockGuard(loop, key, store, settings, log, metrics, stop, schema)
         # Now, at startup: a lock file we cannot open is exit 78 naming it, not a loop
         # retrying for ever.
         os.close(guard.open_lock_file())
@@ -53,7 +55,7 @@ def make_guard(
     if settings.lock.mode == "transaction":
         from .postgres_transaction import TransactionGuard
 
-        return TransactionGuard(loop, key, store, settings, log, metrics, stop)
+        return TransactionGuard(loop, key, store, settings, log, metrics, stop, schema)
     from .postgres_session import SessionGuard
 
-    return SessionGuard(loop, key, store, settings, log, metrics, stop)
+    return SessionGuard(loop, key, store, settings, log, metrics, stop, schema)

@@ -35,6 +35,7 @@ from ..db.base import Tx
 from ..errors import EXIT_SOFTWARE, describe
 from ..logs import Logger
 from ..metrics import Metrics
+from ..schema_gate import SchemaGate
 
 T = TypeVar("T")
 
@@ -160,6 +161,7 @@ class GuardBase(Generic[StoreT]):
         log: Logger,
         metrics: Metrics,
         stop: asyncio.Event,
+        schema: SchemaGate,
     ) -> None:
         self.loop = loop
         self.key = key
@@ -168,6 +170,9 @@ class GuardBase(Generic[StoreT]):
         self.log = log.bind(loop=loop)
         self.metrics = metrics
         self.stop = stop
+        # Every fenced transaction and every lock granted checks the schema version
+        # against this build's migrations; set, it also ends a standby's wait.
+        self.schema = schema
 
 
 class _AlreadyHeld:

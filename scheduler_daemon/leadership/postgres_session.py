@@ -49,6 +49,7 @@ from ..db.postgres import PgTx, PostgresStore, detect_dead_peer, gated_transacti
 from ..db.sqlfiles import queries
 from ..errors import describe
 from ..logs import Logger
+from ..schema_gate import SchemaGate
 from .base import GuardBase, LeadershipLost, LeaseState, Stopping, heartbeat, settle_time
 
 Q = queries("postgres")
@@ -63,6 +64,51 @@ def session_keepalive_settings(settings: Settings) -> dict[str, str]:
     return {name: str(value) for name, value in settings.lock.server_tcp_settings().items()}
 
 
+async def settle(
+    conn: asyncpg.Connection, predecessor: Any, key: int, settings: Settings
+) -> dict[str, Any]:
+    """Before a new leader does any work, make sure the previous one has stopped its own.
+
+    ``predecessor`` is the ``scheduler_leaders`` row it left (None: it handed over), read
+    on ``conn``, the new leader's lock connection, which holds lock ``key``.
+
+    A leader that did not hand over either died — then its sessions end with it, within
+    milliseconds — or is alive and lost its lock to the server (an operator's
+    ``pg_terminate_backend``, the server's failover, say): then it learns so from its
+    socket at about the moment we were granted the lock, and stops its work (or exits)
+    within ``stop_grace`` and a little. Wait for whichever comes first: none of its
+    sessions left; one of them waiting for this lock (it is a standby again: the guard
+    stops a leadership's work before it waits for the lock anew); or that bound
+    (``settle_time``). The returned fields go on ``leader.acquired``; alive and not
+    standing by is an eviction. A frozen predecessor is the one case this cannot cover
+    (docs/leadership.md).
+    """
+    me = (settings.instance_id, os.getpid())
+    if predecessor is None or (predecessor["instance"], predecessor["pid"]) == me:
+        return {}
+    prefix = f"scheduler-daemon/{predecessor['instance']}/"[:63]
+    started = time.monotonic()
+    deadline = started + settle_time(settings)
+    alive, standing_by = True, False
+    while time.monotonic() < deadline:
+        sessions = await conn.fetchrow(
+            Q["instance_sessions"], prefix, key, timeout=settings.lock.stop_grace
+        )
+        if not sessions["n"]:
+            alive = False
+            break
+        if sessions["waiting"]:
+            standing_by = True
+            break
+        await asyncio.sleep(0.01)
+    return {
+        "predecessor": predecessor["instance"],
+        "predecessor_alive": alive,
+        "predecessor_standing_by": standing_by,
+        "settled_in": round(time.monotonic() - started, 4),
+    }
+
+
 class SessionLease(LeaseState):
     def __init__(
         self,
@@ -74,8 +120,10 @@ class SessionLease(LeaseState):
         settings: Settings,
         log: Logger,
         on_lost: Callable[[str, bool], None],
+        schema: SchemaGate,
     ) -> None:
         super().__init__(fencing_token, settings, log, on_lost)
+        self.schema = schema
         self.conn = conn
         self.key = key
         self.backend_pid = backend_pid
@@ -96,17 +144,21 @@ class SessionLease(LeaseState):
         ``pg_advisory_unlock_all()`` releases session-level holds only, so the lock stays
         ours. The work runs in a savepoint; whatever becomes of it, the session lock is
         restored before the transaction ends (``fence_restore``), while the
-        transaction-level hold still keeps it."""
+        transaction-level hold still keeps it.
+
+        The same first statement reads the schema version: on a schema newer than this
+        build knows the transaction does nothing (:class:`SchemaNewer`; schema_gate.py)."""
         async with self.conn_lock:
             if self.lost.is_set():
                 raise LeadershipLost(self.reason or "lost")
             async with gated_transaction(self.conn, self.gate):
                 sent = time.monotonic()
                 async with self.gate:
-                    held = await self.conn.fetchval(Q["fence_begin"], self.key)
-                if not held:
+                    fence = await self.conn.fetchrow(Q["fence_begin"], self.key)
+                if not fence["held"]:
                     self._fence_broken("the lock connection no longer holds the lock")
                 self.last_proven = sent  # as good as a heartbeat
+                self.schema.check(fence["schema_version"], self.log, "fence")
                 try:
                     async with gated_transaction(self.conn, self.gate):
                         yield PgTx(self.conn, self.fencing_token, self.gate)
@@ -158,7 +210,11 @@ class SessionGuard(GuardBase[PostgresStore]):
             await conn.execute(self._session_timeouts())
             await self._wait_for_lock(conn)
             async with conn.transaction():
-                predecessor = await conn.fetchrow(Q["leader_predecessor"], self.loop, self.key)
+                found = await conn.fetchrow(Q["leader_predecessor"], self.loop, self.key)
+                # Granted on a schema newer than we know: claim nothing, let the lock go
+                # (the connection is dropped below) to whoever waits next.
+                self.schema.check(found["schema_version"], self.log, "lock granted")
+                predecessor = found if found["instance"] is not None else None
                 token = await conn.fetchval(Q["fencing_next"], self.loop, self.settings.instance_id)
                 row = await conn.fetchrow(
                     Q["leader_claim"],
@@ -182,12 +238,13 @@ class SessionGuard(GuardBase[PostgresStore]):
             self.settings,
             self.log,
             self._report_lost,
+            self.schema,
         )
         on_closed = self._on_closed(lease)
         conn.add_termination_listener(on_closed)
         if conn.is_closed():  # closed before the listener was there to hear it
             on_closed(conn)
-        if settled.get("predecessor_alive"):
+        if settled.get("predecessor_alive") and not settled.get("predecessor_standing_by"):
             # It did not hand over and is still connected, yet its lock session ended: the
             # server evicted it (idle past stall_timeout: frozen, or cut off), or someone
             # terminated the backend.
@@ -236,35 +293,7 @@ class SessionGuard(GuardBase[PostgresStore]):
         )
 
     async def _settle(self, conn: asyncpg.Connection, predecessor: Any) -> dict[str, Any]:
-        """Before doing any work, make sure the previous leader has stopped its own.
-
-        A leader that did not hand over (no graceful release) either died — then its
-        sessions end with it, within milliseconds — or is alive and lost its lock to the
-        server (an operator's ``pg_terminate_backend``, say): then it learns so from its
-        socket at about the moment we were granted the lock, and stops its work (or exits)
-        within ``stop_grace`` and a little. Wait for whichever comes first: none of its
-        sessions left, or that bound (``settle_time``). A frozen predecessor is the one
-        case this cannot cover (docs/leadership.md).
-        """
-        me = (self.settings.instance_id, os.getpid())
-        if predecessor is None or (predecessor["instance"], predecessor["pid"]) == me:
-            return {}
-        prefix = f"scheduler-daemon/{predecessor['instance']}/"[:63]
-        started = time.monotonic()
-        deadline = started + settle_time(self.settings)
-        alive = True
-        while time.monotonic() < deadline:
-            if not await conn.fetchval(
-                Q["instance_sessions"], prefix, timeout=self.lock.stop_grace
-            ):
-                alive = False
-                break
-            await asyncio.sleep(0.01)
-        return {
-            "predecessor": predecessor["instance"],
-            "predecessor_alive": alive,
-            "settled_in": round(time.monotonic() - started, 4),
-        }
+        return await settle(conn, predecessor, self.key, self.settings)
 
     def _on_closed(self, lease: SessionLease) -> Callable[[Any], None]:
         def closed(_conn: Any) -> None:
@@ -278,17 +307,19 @@ class SessionGuard(GuardBase[PostgresStore]):
         self.log.info("leader.waiting", key=self.key, standby=self.lock.standby)
         if self.lock.standby == "poll":
             while not await conn.fetchval("SELECT pg_try_advisory_lock($1)", self.key):
-                if await wait_any([self.stop], self.lock.poll_interval):
-                    raise Stopping
+                if await wait_any([self.stop, self.schema.newer], self.lock.poll_interval):
+                    raise Stopping if self.stop.is_set() else self.schema.error()
             return
         # No statement_timeout on the wait: it lasts until the lock is granted.
         await conn.execute("SET statement_timeout = 0")
         waiting = asyncio.ensure_future(conn.execute("SELECT pg_advisory_lock($1)", self.key))
-        stopping = asyncio.ensure_future(self.stop.wait())
+        # Stopping, or another loop of this replica found the schema newer than we know.
+        quitting = [asyncio.ensure_future(e.wait()) for e in (self.stop, self.schema.newer)]
         try:
-            await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({waiting, *quitting}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            stopping.cancel()
+            for each in quitting:
+                each.cancel()
             if not waiting.done():
                 # Stopping (or cancelled): drop the connection rather than cancel the
                 # statement, which the server would log as an ERROR for every stop. The
@@ -298,11 +329,11 @@ class SessionGuard(GuardBase[PostgresStore]):
                 await asyncio.wait({waiting})
                 if not waiting.cancelled():
                     waiting.exception()  # retrieved: the stop (or cancellation) is the news
-            await asyncio.wait({stopping})
-        if self.stop.is_set():
+            await asyncio.wait(quitting)
+        if self.stop.is_set() or self.schema.outdated:
             if not waiting.cancelled():
                 waiting.exception()  # retrieved: the stop is what we report
-            raise Stopping
+            raise Stopping if self.stop.is_set() else self.schema.error()
         waiting.result()
         await conn.execute("RESET statement_timeout")
 

@@ -56,6 +56,14 @@ Q = queries("postgres")
 # How long a tick waits for its hand-over hold to be queued on the lock (one round trip
 # on a healthy server) before it gives up and rolls back what it claimed.
 HANDOVER_QUEUE_TIMEOUT = 5.0
+# The fence, first statement of every transaction that does a loop's work: this
+# transaction takes the lock (or another holds it: won is false); and the schema version,
+# whose read holds ACCESS SHARE on the table until the transaction ends, as session mode's
+# fence_begin does (schema_gate.py). One statement, as before the version was read.
+COMPETE = (
+    "SELECT pg_try_advisory_xact_lock($1) AS won, "
+    "(SELECT max(version) FROM scheduler_schema_version) AS schema_version"
+)
 
 
 class TransactionGuard(GuardBase[PostgresStore]):
@@ -98,8 +106,12 @@ class TransactionGuard(GuardBase[PostgresStore]):
 
     async def compete(self, conn: asyncpg.Connection) -> int:
         """Take the lock for this transaction or raise :class:`NotLeader`; return the
-        fencing token, recorded with the leader row in the same transaction."""
-        if not await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", self.key):
+        fencing token, recorded with the leader row in the same transaction. On a schema
+        newer than this build knows, :class:`SchemaNewer` instead (schema_gate.py): the
+        same statement reads the version, and holds it until the transaction ends."""
+        fence = await conn.fetchrow(COMPETE, self.key)
+        self.schema.check(fence["schema_version"], self.log, "fence")
+        if not fence["won"]:
             self.note_leading(False)
             raise NotLeader(self.loop)
         instance = self.settings.instance_id
@@ -245,6 +257,11 @@ class TransactionHold(LeaseState):
         try:
             if self._granted is not None:
                 await self._granted  # granted the moment the claiming tick committed
+                # Only now, not while queued: a migration waiting for the tick would queue
+                # this read behind it, and the tick waits for this hold to be queued. Read
+                # now, it makes a migration wait for the hold's runs, or sees it committed.
+                version = await self._conn.fetchval(Q["schema_version"])
+                self.guard.schema.check(version, self.guard.log, "fence")
                 await self._conn.execute("SET LOCAL lock_timeout = DEFAULT")
                 # A token of its own, drawn in its own transaction: if this hold is lost,
                 # the next winner of the lock sees the gap (TransactionGuard._settle).

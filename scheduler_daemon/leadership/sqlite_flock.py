@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
+import aiosqlite
+
 from ..aio import wait_any
 from ..config import Settings
 from ..db.sqlfiles import queries
@@ -26,6 +28,7 @@ from ..db.sqlite import SqliteStore, SqliteTx
 from ..db.sqlite_file import real_path
 from ..errors import ConfigError, describe
 from ..logs import Logger
+from ..schema_gate import SchemaGate
 from .base import GuardBase, LeaseState, Stopping
 
 Q = queries("sqlite")
@@ -43,10 +46,16 @@ def lock_path(database: Path, loop: str) -> Path:
 
 class FlockLease(LeaseState):
     def __init__(
-        self, store: SqliteStore, fencing_token: int, settings: Settings, log: Logger
+        self,
+        store: SqliteStore,
+        fencing_token: int,
+        settings: Settings,
+        log: Logger,
+        schema: SchemaGate,
     ) -> None:
         super().__init__(fencing_token, settings, log)
         self.store = store
+        self.schema = schema
 
     def fresh(self) -> bool:
         # Nobody evicts a flock holder: however long we were frozen, the lock stayed ours.
@@ -55,7 +64,17 @@ class FlockLease(LeaseState):
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[SqliteTx]:
         async with self.store.write_transaction() as conn:
+            # Under the file's write lock, as a migration runs: one that committed first
+            # is seen, and none can start until this transaction ends (schema_gate.py).
+            self.schema.check(await _schema_version(conn), self.log, "fence")
             yield SqliteTx(conn, self.fencing_token)
+
+
+async def _schema_version(conn: aiosqlite.Connection) -> int | None:
+    async with conn.execute(Q["schema_version"]) as cursor:
+        row = await cursor.fetchone()
+    version: int | None = None if row is None else row[0]
+    return version
 
 
 class FlockGuard(GuardBase[SqliteStore]):
@@ -87,6 +106,8 @@ class FlockGuard(GuardBase[SqliteStore]):
         try:
             await self._acquire(fd)
             async with self.store.write_transaction() as conn:
+                # Granted on a schema newer than we know: claim nothing, let the flock go.
+                self.schema.check(await _schema_version(conn), self.log, "lock granted")
                 instance = self.settings.instance_id
                 async with conn.execute(Q["fencing_next"], (self.loop, instance)) as cursor:
                     row = await cursor.fetchone()
@@ -96,7 +117,7 @@ class FlockGuard(GuardBase[SqliteStore]):
                     Q["leader_claim"],
                     (self.loop, self.key, instance, socket.gethostname(), os.getpid(), token),
                 )
-            lease = FlockLease(self.store, token, self.settings, self.log)
+            lease = FlockLease(self.store, token, self.settings, self.log, self.schema)
             self.metrics.leader.labels(self.loop).set(1)
             self.metrics.leadership_changes.labels(self.loop, "acquired").inc()
             self.log.info("leader.acquired", lock_file=str(self.path), fencing_token=token)
@@ -128,8 +149,8 @@ class FlockGuard(GuardBase[SqliteStore]):
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return
             except BlockingIOError:
-                if await wait_any([self.stop], POLL_INTERVAL):
-                    raise Stopping from None
+                if await wait_any([self.stop, self.schema.newer], POLL_INTERVAL):
+                    raise (Stopping() if self.stop.is_set() else self.schema.error()) from None
 
     async def _heartbeat(self) -> None:
         """Keeps ``scheduler_leaders.heartbeat_at`` fresh for ``status``; the flock itself

@@ -4,7 +4,8 @@ A tick never starts while the previous one of the same loop still runs (PostgreS
 advisory locks are re-entrant within a session, so overlapping ticks of one process would
 both "hold" the lock). The sleep between ticks ends early on stop, on ``wake()``, or when
 leadership is lost. Database trouble never ends the loop: the runner steps down, backs
-off and competes again.
+off and competes again. A schema newer than this build knows does end the competing: the
+runner hands over what it leads and waits for the stop, leading nothing (schema_gate.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..errors import describe
 from ..leadership import Guard, LeadershipLost, Lease, NotLeader, Stopping
 from ..logs import Logger
 from ..metrics import Metrics
+from ..schema_gate import SchemaGate, SchemaNewer
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,11 +71,13 @@ class LoopRunner:
         stop: asyncio.Event,
         log: Logger,
         metrics: Metrics,
+        schema: SchemaGate,
     ) -> None:
         self.work = work
         self.guard = guard
         self.interval = interval
         self.stop = stop
+        self.schema = schema
         self.log = log.bind(loop=work.name)
         self.metrics = metrics
         self.started = asyncio.Event()
@@ -90,6 +94,10 @@ class LoopRunner:
         self.started.set()
         backoff = Backoff(initial=0.2, maximum=5.0)
         while not self.stop.is_set():
+            if self.schema.outdated:
+                # Not an exit: a supervisor would start this build again, and again.
+                await self.stop.wait()
+                break
             try:
                 async with self.guard.leadership() as lease:
                     backoff.reset()
@@ -102,10 +110,18 @@ class LoopRunner:
                     finally:
                         graceful = not cancelled and self.stop.is_set() and not lease.lost.is_set()
                         await self.work.leadership_ended(graceful)
+                if self.schema.outdated and not lease.lost.is_set():
+                    # Handed over like a stop (released on its own connection), only
+                    # sooner: the runs it started are stopped, not awaited. Their results
+                    # could not be recorded on this schema anyway.
+                    self.log.warning("leader.stepped_down", reason=self.schema.describe())
+                    continue
                 if not lease.lost.is_set():
                     continue  # a stop: the loop condition ends it
                 # Lost between ticks (heartbeat, eviction): the same pause as mid-tick.
                 self.log.warning("leader.stepped_down", reason=lease.reason)
+            except SchemaNewer:
+                continue  # granted a lock on the newer schema and let it go at once
             except Stopping:
                 break
             except LeadershipLost as lost:
@@ -119,7 +135,7 @@ class LoopRunner:
         self.log.info("loop.stopped")
 
     async def _lead(self, lease: Lease) -> None:
-        while not self.stop.is_set() and not lease.lost.is_set():
+        while not self.stop.is_set() and not lease.lost.is_set() and not self.schema.outdated:
             # Cleared before the tick, not before the sleep: a wake-up that arrives while
             # the tick runs (a row scheduled after it read its snapshot) is kept.
             self._wake.clear()
@@ -132,6 +148,10 @@ class LoopRunner:
                 delay = await lease.run_tick(functools.partial(self.work.tick, tick))
             except NotLeader:
                 result = "skipped"
+            except SchemaNewer:
+                # Its fence saw the newer schema: nothing was done, and nothing more is.
+                self.metrics.ticks.labels(self.work.name, "skipped").inc()
+                return
             except LeadershipLost:
                 self.metrics.ticks.labels(self.work.name, "cancelled").inc()
                 raise
@@ -152,4 +172,4 @@ class LoopRunner:
             await self._sleep(longest if delay is None else min(delay, longest), lease)
 
     async def _sleep(self, seconds: float, lease: Lease) -> None:
-        await wait_any([self.stop, self._wake, lease.lost], seconds)
+        await wait_any([self.stop, self._wake, lease.lost, self.schema.newer], seconds)

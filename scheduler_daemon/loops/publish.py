@@ -19,10 +19,13 @@ looks at the earliest row.
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
 
 from ..config import Settings
 from ..db.base import Store, Tx
@@ -47,6 +50,16 @@ LOCKED_ROWS_RETRY = 0.5
 # A batch that a transient database error (deadlock, lock or statement timeout, …) rolled
 # back this many times in a row is run row by row, where such an error fails its row.
 TRANSIENT_BATCH_ATTEMPTS = 3
+
+
+def unreadable(exc: BaseException) -> bool:
+    """Whether reading rows failed on a value the database holds but Python cannot decode:
+    a payload nested deeper than ``json`` reads or with an integer of over 4,300 digits
+    (what plain SQL may store; the API refuses both), a time outside Python's years, text
+    that is not UTF-8 (SQLite). Never a database outage or a refused statement."""
+    if isinstance(exc, RecursionError | ValueError | OverflowError):
+        return not isinstance(exc, asyncpg.InterfaceError)  # DataError: a parameter
+    return isinstance(exc, sqlite3.OperationalError) and "decode" in str(exc)
 
 
 class PublishWork:
@@ -89,17 +102,35 @@ class PublishWork:
         elif self.listener is not None:
             await self.listener.ensure()
         published = 0
+        one_by_one = False
         while True:
-            async with tick.lease.transaction() as tx:
-                rows = await tx.fetch("publish_due", self.settings.publish.batch_size,
-                                      self.settings.instance_id)  # fmt: skip
-                batch = [Published(**row) for row in rows]
-                failed = await self._run_publishers(tx, batch, tick.log) if batch else {}
-                if len(batch) < self.settings.publish.batch_size:
-                    upcoming = (await tx.fetch("next_due_in"))[0]
+            try:
+                async with tick.lease.transaction() as tx:
+                    lost = 0  # rows failed because they could not be read
+                    if one_by_one:
+                        rows, lost = await self._take_one_by_one(tx, tick.log)
+                        taken = len(rows) + lost
+                    else:
+                        rows = await tx.fetch("publish_due", self.settings.publish.batch_size,
+                                              self.settings.instance_id)  # fmt: skip
+                        taken = len(rows)
+                    batch = [Published(**row) for row in rows]
+                    failed = await self._run_publishers(tx, batch, tick.log) if batch else {}
+                    if taken < self.settings.publish.batch_size:
+                        upcoming = (await tx.fetch("next_due_in"))[0]
+            except Exception as exc:
+                if one_by_one or not unreadable(exc):
+                    raise
+                # Rolled back: the batch again, each row on its own, so that the one
+                # Python cannot read fails alone instead of stopping every tick.
+                tick.log.warning("publish.batch_unreadable", error=describe(exc))
+                one_by_one = True
+                continue
+            one_by_one = False
             published += len(batch) - len(failed)
             self._count(batch, failed)
-            if len(batch) < self.settings.publish.batch_size:
+            self.metrics.publications_failed.inc(lost)
+            if taken < self.settings.publish.batch_size:
                 break
         if published:
             tick.log.info("publish.published", count=published)
@@ -169,6 +200,27 @@ class PublishWork:
                 log.error("publish.row_failed", publication_id=row.id, key=row.key, error=error)
         self._transient_strikes.clear()
         return failed
+
+    async def _take_one_by_one(self, tx: Tx, log: Logger) -> tuple[list[dict[str, Any]], int]:
+        """``publish_due``, one row at a time, each in a savepoint: a row that cannot be
+        read is marked failed, naming why. Returns the rows read and how many failed."""
+        ids = [
+            row["id"] for row in await tx.fetch("publish_due_ids", self.settings.publish.batch_size)
+        ]
+        rows: list[dict[str, Any]] = []
+        lost = 0
+        for publication_id in ids:
+            try:
+                async with tx.savepoint():
+                    rows += await tx.fetch("publish_one", publication_id, self.settings.instance_id)
+            except Exception as exc:
+                if not unreadable(exc):
+                    raise
+                error = f"unreadable row: {describe(exc)}"
+                await tx.fetch("publication_fail", publication_id, error)
+                lost += 1
+                log.error("publish.row_unreadable", publication_id=publication_id, error=error)
+        return rows, lost
 
     def _transient_attempts(self, batch: list[Published]) -> int:
         """How many times in a row a batch holding these rows was rolled back by a

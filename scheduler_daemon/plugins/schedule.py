@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import croniter
+from croniter import CroniterBadDateError, croniter
 
 Misfire = Literal["run_once", "skip"]
 
@@ -59,6 +59,12 @@ class Cron:
         check_timezone(self.timezone)
         if not croniter.is_valid(self.expression):
             raise ValueError(f"invalid cron expression {self.expression!r}")
+        # A valid expression may name no date at all (30 February): every plugin tick would
+        # fail computing its next slot, the other tasks' runs with it.
+        try:
+            self.next_after(datetime.now(UTC))
+        except (CroniterBadDateError, OverflowError):
+            raise ValueError(f"cron expression {self.expression!r} never matches a date") from None
 
     @property
     def _fixed_hours(self) -> bool:

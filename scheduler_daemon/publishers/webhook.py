@@ -181,7 +181,9 @@ class WebhookDeliverer:
         self.poke = asyncio.Event()
 
     def backoff(self, attempts_made: int) -> float:
-        delay = self.settings.backoff * 2 ** max(attempts_made - 1, 0)
+        # The exponent is capped: past 2**1023 an int no longer converts to a float, and
+        # max_attempts may allow that many (OverflowError on the 1,025th retry).
+        delay = self.settings.backoff * 2 ** min(max(attempts_made - 1, 0), 64)
         return float(min(delay, self.settings.max_backoff))
 
     async def run(self, lease: Lease) -> None:
