@@ -131,5 +131,5 @@ class EffectsPublisher:
 
     async def publish(self, tx: Any, rows: Sequence[Any]) -> None:
         record = Recorder("publish", "publisher", self.instance, tx.fencing_token,
-                          ids=[row.id for row in rows])  # fmt: skip
+                          ids=[row.id for row in rows], keys=[row.key for row in rows])  # fmt: skip
         await _work(record, _seconds("EFFECTS_PUBLISH_SECONDS", 0.05))

@@ -1,0 +1,269 @@
+"""What a chaos run stands on: the network (a namespace per replica, or plain loopback where
+this machine cannot make namespaces) and the database (one throwaway PostgreSQL, or a
+primary with a streaming standby when primary failover is among the faults).
+
+Both adapt a rig module to the few verbs the harness needs, so that the harness reads as
+the experiment and not as plumbing: ``rig.netns`` for links, ``rig.pgcluster`` and
+``rig.standby`` for servers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import asyncpg
+from rig import netns
+from rig.databases import migrate, run_sync
+from rig.pgcluster import PgCluster
+from rig.sql import fetch
+from rig.standby import ReplicatedCluster
+from rig.ticks import RIG_APP
+
+DBNAME = "chaos"
+LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+
+
+def faketime_env(skew_seconds: float) -> dict[str, str]:
+    """A process whose wall clock runs `skew_seconds` off, its monotonic clock untouched
+    (asyncio's timers and the daemon's deadlines use it: only due-ness could be fooled)."""
+    if not LIBFAKETIME.exists():
+        raise FileNotFoundError(f"{LIBFAKETIME} (Debian: apt-get install libfaketime)")
+    return {
+        "LD_PRELOAD": str(LIBFAKETIME),
+        "FAKETIME": f"{skew_seconds:+.0f}",
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        "FAKETIME_NO_CACHE": "1",
+    }
+
+
+class ChaosNetwork:
+    """A network namespace per replica (0-based index) when possible; else loopback, where
+    partitions and bad links cannot be made (``enabled`` is False and the run says so)."""
+
+    def __init__(self, namespaces: netns.Namespaces | None, why_not: str | None) -> None:
+        self._namespaces = namespaces
+        self.why_not = why_not
+
+    @classmethod
+    def create(cls, directory: Path, replicas: int) -> ChaosNetwork:
+        why_not = netns.unavailable()
+        return cls(None if why_not else netns.Namespaces(replicas), why_not)
+
+    @property
+    def enabled(self) -> bool:
+        return self._namespaces is not None
+
+    def __enter__(self) -> Self:
+        if self._namespaces is not None:
+            self._namespaces.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._namespaces is not None:
+            self._namespaces.close()
+
+    def argv(self, index: int, command: Sequence[str]) -> list[str]:
+        if self._namespaces is None:
+            return list(command)
+        return self._namespaces.argv(index, command)
+
+    def host_ip(self, index: int) -> str:
+        """The address replica `index` reaches the host's servers at."""
+        if self._namespaces is None:
+            return "127.0.0.1"
+        return self._namespaces.hosts[index].host_ip
+
+    def partition(self, index: int) -> None:
+        if self._namespaces is not None:
+            self._namespaces.partition(index)
+
+    def heal(self, index: int) -> None:
+        if self._namespaces is not None and self._namespaces.hosts[index].partitioned:
+            self._namespaces.heal(index)
+
+    def impair(self, index: int, *, delay_ms: float, jitter_ms: float, loss_pct: float) -> None:
+        if self._namespaces is not None:
+            self._namespaces.impair(index, delay_ms=delay_ms, jitter_ms=jitter_ms,
+                                    loss_pct=loss_pct)  # fmt: skip
+
+    def clear(self, index: int) -> None:
+        if self._namespaces is not None:
+            self._namespaces.clear(index)
+
+
+class ChaosDatabase:
+    """The run's PostgreSQL, listening where the namespaces reach it, with database
+    ``chaos`` migrated by ``scheduler-daemon migrate`` before any replica starts.
+
+    With a standby, replication starts synchronous and streams through the rig's proxy, so
+    that an *asynchronous* failover can be given a real window: the standby is held back
+    for a moment while commits go on, then the primary dies (what a lagging standby on a
+    busy network does). Every replica and client uses the multi-host DSN with
+    ``target_session_attrs=read-write``.
+    """
+
+    def __init__(self, *, with_standby: bool, network: ChaosNetwork) -> None:
+        self.network = network
+        settings = {"listen_addresses": "*"} if network.enabled else {}
+        self.pair: ReplicatedCluster | None = None
+        self.single: PgCluster | None = None
+        if with_standby:
+            self.pair = ReplicatedCluster(
+                synchronous=True, settings=settings, replication_proxy=True
+            )
+        else:
+            self.single = PgCluster(settings=settings)
+        self.async_window = 0.0  # the longest measured window of lost commits
+
+    def __enter__(self) -> Self:
+        try:
+            if self.pair is not None:
+                self.pair.start()
+            else:
+                assert self.single is not None
+                self.single.start()
+            for node in self._nodes():
+                if self.network.enabled:
+                    netns.trust_namespaces(node)
+            execute(self.admin_dsn_for("postgres"), f"CREATE DATABASE {DBNAME}")
+            migrate(self.client_dsn)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.pair is not None:
+            self.pair.cleanup()
+        if self.single is not None:
+            self.single.cleanup()
+
+    def _nodes(self) -> list[PgCluster]:
+        if self.pair is not None:
+            return list(self.pair.nodes.values())
+        assert self.single is not None
+        return [self.single]
+
+    # -- addresses -------------------------------------------------------------------
+
+    @property
+    def primary(self) -> PgCluster:
+        if self.pair is not None:
+            return self.pair.primary
+        assert self.single is not None
+        return self.single
+
+    def admin_dsn_for(self, dbname: str) -> str:
+        return self.primary.dsn(dbname)
+
+    @property
+    def admin_dsn(self) -> str:
+        """The current primary, directly (for the harness's own reads and writes)."""
+        return self.admin_dsn_for(DBNAME)
+
+    @property
+    def client_dsn(self) -> str:
+        """What an application on the host uses: every node, the writable one wins."""
+        return self._dsn("127.0.0.1")
+
+    def replica_dsn(self, index: int) -> str:
+        """What replica `index` uses, through its own link."""
+        return self._dsn(self.network.host_ip(index))
+
+    def _dsn(self, host: str) -> str:
+        nodes = self._nodes()
+        hosts = ",".join(f"{host}:{node.port}" for node in nodes)
+        query = "?target_session_attrs=read-write" if len(nodes) > 1 else ""
+        return f"postgresql://postgres@{hosts}/{DBNAME}{query}"
+
+    # -- faults ----------------------------------------------------------------------
+
+    def restart(self, mode: Literal["fast", "immediate"]) -> None:
+        self.primary.restart(mode)
+
+    def failover(self, *, synchronous: bool, lag_seconds: float = 1.0) -> dict[str, Any]:
+        """Stop the primary -m immediate and promote the standby; a new standby is built
+        from the new primary afterwards. Asynchronous: the standby is held back for
+        `lag_seconds` first, so commits are acknowledged that it never receives."""
+        assert self.pair is not None, "failover needs the standby (with_standby=True)"
+        pair = self.pair
+        if not synchronous:
+            pair.set_synchronous(False)
+            pair.pause_replication()
+            time.sleep(lag_seconds)
+        try:
+            result = pair.failover()
+        finally:
+            with contextlib.suppress(Exception):
+                pair.resume_replication()
+        if not synchronous:
+            pair.set_synchronous(True)
+        window = result.lost.window(result.stop_started)
+        self.async_window = max(self.async_window, window)
+        return {
+            "old_primary": result.old_primary,
+            "new_primary": result.new_primary,
+            "writable_after": round(result.downtime, 3),
+            "lost_commits": len(result.lost.commits),
+            "lost_window": round(window, 3),
+            "lost_first": min(result.lost.commits) if result.lost.commits else None,
+            "rebuilt_after": round(result.rebuilt - result.writable, 2) if result.rebuilt else None,
+        }
+
+    # -- observation -----------------------------------------------------------------
+
+    def leader_of(self, loop: str) -> str | None:
+        """The instance holding `loop`'s lock now, as the server sees it (None: nobody, or
+        the server is not answering)."""
+        try:
+            rows = _quick_fetch(
+                self.admin_dsn,
+                "SELECT s.instance FROM scheduler_leaders s JOIN pg_locks l "
+                "ON l.pid = s.backend_pid AND l.locktype = 'advisory' AND l.granted "
+                "WHERE s.loop = $1",
+                loop,
+            )
+        except Exception:
+            return None
+        return str(rows[0]["instance"]) if rows else None
+
+    def advisory_locks(self) -> list[dict[str, Any]]:
+        """Advisory locks held on the run's database by anyone at all."""
+        rows = fetch(
+            self.admin_dsn,
+            "SELECT l.pid, l.classid, l.objid, l.granted, a.application_name "
+            "FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE l.locktype = 'advisory' "
+            "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+        return [dict(row) for row in rows]
+
+
+def execute(dsn: str, sql: str, timeout: float = 10.0) -> None:
+    """Run `sql` (several statements allowed) on a connection of its own."""
+
+    async def go() -> None:
+        conn = await asyncpg.connect(dsn, timeout=timeout, server_settings=RIG_APP)
+        try:
+            await conn.execute(sql, timeout=timeout)
+        finally:
+            await conn.close()
+
+    run_sync(go())
+
+
+def _quick_fetch(dsn: str, sql: str, *args: Any, timeout: float = 2.0) -> list[dict[str, Any]]:
+    """`rig.sql.fetch` with a short timeout: the nemesis asks while servers are down."""
+
+    async def go() -> list[dict[str, Any]]:
+        conn = await asyncpg.connect(dsn, timeout=timeout, server_settings=RIG_APP)
+        try:
+            return [dict(row) for row in await conn.fetch(sql, *args, timeout=timeout)]
+        finally:
+            conn.terminate()
+
+    return run_sync(go())
