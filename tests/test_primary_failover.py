@@ -59,6 +59,7 @@ from rig.standby import Failover, ReplicatedCluster
 from rig.ticks import FAST_TIMINGS, RIG_APP
 
 from scheduler_daemon.config import Settings
+from scheduler_daemon.leadership.base import settle_time
 from scheduler_daemon.leadership.postgres_session import settle
 
 pytestmark = [pytest.mark.postgres, pytest.mark.processes]
@@ -812,12 +813,13 @@ def test_check_config_takes_a_multi_host_dsn_and_hides_its_password() -> None:
 # -- the product fix: a predecessor standing by again is no eviction -------------------
 
 
-async def test_a_predecessor_waiting_for_the_lock_again_is_settled_at_once(pg_url: str) -> None:
+async def test_a_predecessor_waiting_for_the_lock_again_is_no_eviction(pg_url: str) -> None:
     """After a PostgreSQL failover the old leader is alive and reconnected: the new leader
-    used to wait the whole settle_time for it and report an eviction. One of its sessions
-    waiting for the lock proves its leadership (and its work) ended: no more waiting.
-    Its old lock session, still listed a moment after the server freed the lock, does
-    not wait for it, and counts for nothing."""
+    used to report an eviction (and fire SchedulerLeaderEvicted). One of its sessions
+    waiting for the lock says its leadership (and its work) ended: not an eviction. It
+    still waits the whole settle_time: a name is no proof of who waits (see the long id
+    below). Its old lock session, still listed a moment after the server freed the lock,
+    does not wait for it, and counts for nothing."""
     key = 0x5E771E
     lock = {k.removeprefix("SCHEDULER_LOCK__").lower(): v for k, v in FAST_TIMINGS.items()
             if k.startswith("SCHEDULER_LOCK__")}  # fmt: skip
@@ -837,7 +839,24 @@ async def test_a_predecessor_waiting_for_the_lock_again_is_settled_at_once(pg_ur
         await _until_waiting(ours, key)
         standing_by = await settle(ours, predecessor, key, settings)
         assert standing_by["predecessor_alive"]
-        assert standing_by["predecessor_standing_by"]  # so it stopped waiting at once
+        assert standing_by["predecessor_standing_by"]  # not an eviction
+        assert standing_by["settled_in"] >= settle_time(settings) - 0.05  # yet waited
+
+        # An id cut at 63 bytes names its siblings too: their waiting proves nothing.
+        long_id = "content-platform-scheduler-daemon-prod-7d9f8c6b5d-x7k2p"
+        sibling = await asyncpg.connect(
+            pg_url,
+            server_settings={"application_name": f"scheduler-daemon/{long_id[:-1]}q/lock:plugin"},
+        )
+        try:
+            queued = asyncio.ensure_future(sibling.execute("SELECT pg_advisory_lock($1)", key))
+            await _until_waiting(ours, key, count=2)
+            cut = await settle(ours, {**predecessor, "instance": long_id}, key, settings)
+            assert cut["predecessor_alive"]
+            assert not cut["predecessor_standing_by"]
+        finally:
+            sibling.terminate()
+            await asyncio.wait({queued})
 
         await pool.close()
         # The predecessor dies: the server ends its sessions (as it would a dead peer's).
@@ -855,12 +874,12 @@ async def test_a_predecessor_waiting_for_the_lock_again_is_settled_at_once(pg_ur
             conn.terminate()
 
 
-async def _until_waiting(conn: asyncpg.Connection, key: int) -> None:
+async def _until_waiting(conn: asyncpg.Connection, key: int, count: int = 1) -> None:
     deadline = time.monotonic() + 10
     query = (
         "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
         "AND objid = ($1::bigint & 4294967295)::oid"
     )
-    while not await conn.fetchval(query, key):
-        assert time.monotonic() < deadline, "the second session never waited for the lock"
+    while await conn.fetchval(query, key) < count:
+        assert time.monotonic() < deadline, f"{count} sessions never waited for the lock"
         await asyncio.sleep(0.01)  # the server's state, not ours: poll it

@@ -204,8 +204,10 @@ def test_only_database_errors_that_say_not_now_are_transient() -> None:
         ValueError("bad payload"),
         asyncpg.CheckViolationError("check"),
         asyncpg.UniqueViolationError("duplicate key"),
-        # A payload value the driver cannot encode: about the row, not the moment.
-        asyncpg.exceptions.DataError("invalid input for query argument $1"),
+        # A value the server refuses (SQLSTATE 22), and one the driver cannot encode (a
+        # client-side DataError, an InterfaceError): about the row, not the moment.
+        asyncpg.exceptions.DataError("invalid input syntax for type integer"),
+        asyncpg.exceptions._base.DataError("invalid input for query argument $1"),
         sqlite3.IntegrityError("CHECK constraint failed"),
         sqlite3.OperationalError("no such table: audit"),
     ]

@@ -282,6 +282,7 @@ def _database_says_not_now(exc: BaseException) -> bool:
 
     import asyncpg
     from asyncpg import exceptions as pg
+    from asyncpg.exceptions import _base as client  # where asyncpg's client-side errors live
 
     if isinstance(exc, sqlite3.OperationalError):
         return "locked" in str(exc) or "busy" in str(exc)
@@ -289,9 +290,10 @@ def _database_says_not_now(exc: BaseException) -> bool:
         # The connection is closed, or in use by something else. Its subclasses are about
         # the call, not the moment: a parameter that cannot be encoded (DataError, a bad
         # payload value), a client or server feature or setting that is missing.
+        # (pg.DataError is the server's SQLSTATE class 22, a PostgresError: not this one.)
         return not isinstance(
             exc,
-            pg.DataError
+            client.DataError
             | pg.ClientConfigurationError
             | pg.UnsupportedClientFeatureError
             | pg.UnsupportedServerFeatureError,

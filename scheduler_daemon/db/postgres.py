@@ -144,14 +144,23 @@ def detect_dead_peer(conn: asyncpg.Connection, within: float) -> bool:
     return True
 
 
+# A fenced transaction's first statement proves the lock and reads the schema version, then
+# waits for a migration in flight (schema_gate.py): only READ COMMITTED gives each later
+# statement a snapshot taken after that wait. A database or role whose
+# default_transaction_isolation is stricter would freeze the snapshot before it, so the
+# fenced transactions say so in their BEGIN (the same one statement).
+FENCED_ISOLATION = "read_committed"
+
+
 @asynccontextmanager
 async def gated_transaction(
-    conn: asyncpg.Connection, gate: asyncio.Lock | None
+    conn: asyncpg.Connection, gate: asyncio.Lock | None, isolation: str | None = None
 ) -> AsyncIterator[None]:
     """``conn.transaction()`` (a transaction, or a savepoint inside one) whose statements
-    (BEGIN or SAVEPOINT, and how it ends) each take ``gate`` first."""
+    (BEGIN or SAVEPOINT, and how it ends) each take ``gate`` first. ``isolation``: for the
+    outermost one only (a savepoint has the transaction's)."""
     # asyncpg's own context manager, its enter and its exit each taken under the gate.
-    transaction = conn.transaction()
+    transaction = conn.transaction(isolation=isolation)
     async with _held(gate):
         await transaction.__aenter__()
     try:

@@ -45,7 +45,7 @@ import asyncpg
 
 from ..aio import wait_any
 from ..config import LockSettings, Settings
-from ..db.postgres import PgTx, PostgresStore, detect_dead_peer, gated_transaction
+from ..db.postgres import FENCED_ISOLATION, PgTx, PostgresStore, detect_dead_peer, gated_transaction
 from ..db.sqlfiles import queries
 from ..errors import describe
 from ..logs import Logger
@@ -77,16 +77,17 @@ async def settle(
     ``pg_terminate_backend``, the server's failover, say): then it learns so from its
     socket at about the moment we were granted the lock, and stops its work (or exits)
     within ``stop_grace`` and a little. Wait for whichever comes first: none of its
-    sessions left; one of them waiting for this lock (it is a standby again: the guard
-    stops a leadership's work before it waits for the lock anew); or that bound
-    (``settle_time``). The returned fields go on ``leader.acquired``; alive and not
-    standing by is an eviction. A frozen predecessor is the one case this cannot cover
+    sessions left, or that bound (``settle_time``). If one of its sessions waits for this
+    lock by then, it is a standby again (the guard stops a leadership's work before it
+    waits anew): that is reported, and alive and not standing by is an eviction. A frozen predecessor is the one case this cannot cover
     (docs/leadership.md).
     """
     me = (settings.instance_id, os.getpid())
     if predecessor is None or (predecessor["instance"], predecessor["pid"]) == me:
         return {}
-    prefix = f"scheduler-daemon/{predecessor['instance']}/"[:63]
+    # As the server stores application_name: cut to 63 bytes, at a character boundary.
+    whole = f"scheduler-daemon/{predecessor['instance']}/".encode()
+    prefix = whole[:63].decode(errors="ignore")
     started = time.monotonic()
     deadline = started + settle_time(settings)
     alive, standing_by = True, False
@@ -97,9 +98,11 @@ async def settle(
         if not sessions["n"]:
             alive = False
             break
-        if sessions["waiting"]:
-            standing_by = True
-            break
+        # Waiting for the lock again says it stopped its work, but a name is not proof of
+        # who waits: a sibling whose instance id shares the cut prefix, or a replica given
+        # the same id by mistake, waits too. So it only decides how the take-over is
+        # reported (not an eviction), never how long to wait.
+        standing_by = bool(sessions["waiting"]) and len(whole) <= 63
         await asyncio.sleep(0.01)
     return {
         "predecessor": predecessor["instance"],
@@ -151,7 +154,7 @@ class SessionLease(LeaseState):
         async with self.conn_lock:
             if self.lost.is_set():
                 raise LeadershipLost(self.reason or "lost")
-            async with gated_transaction(self.conn, self.gate):
+            async with gated_transaction(self.conn, self.gate, FENCED_ISOLATION):
                 sent = time.monotonic()
                 async with self.gate:
                     fence = await self.conn.fetchrow(Q["fence_begin"], self.key)

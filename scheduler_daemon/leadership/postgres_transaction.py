@@ -36,7 +36,7 @@ from typing import Any
 import asyncpg
 
 from ..db.base import Tx
-from ..db.postgres import PgTx, PostgresStore, detect_dead_peer
+from ..db.postgres import FENCED_ISOLATION, PgTx, PostgresStore, detect_dead_peer
 from ..db.sqlfiles import queries
 from ..errors import describe
 from .base import (
@@ -159,7 +159,10 @@ class TransactionLease(LeaseState):
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[PgTx]:
-        async with self.guard.store.pool.acquire() as conn, conn.transaction():
+        async with (
+            self.guard.store.pool.acquire() as conn,
+            conn.transaction(isolation=FENCED_ISOLATION),
+        ):
             await self.guard.begin(conn)
             # The token of the transaction that won last: the Lease's live token.
             self.fencing_token = await self.guard.compete(conn)
@@ -205,7 +208,7 @@ class TransactionHold(LeaseState):
         self._conn = await pool.acquire()
         detect_dead_peer(self._conn, self.settings.lock.step_down_after)  # as the session's
         try:
-            self._transaction = self._conn.transaction()
+            self._transaction = self._conn.transaction(isolation=FENCED_ISOLATION)
             await self._transaction.start()
             await self.guard.begin(self._conn)
             self._backend = await self._conn.fetchval("SELECT pg_backend_pid()")
