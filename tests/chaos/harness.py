@@ -157,6 +157,10 @@ class ChaosRun:
             self.stopping = time.time()
             stopped = self._stop_all()
             feeder.close()
+        if feeder.failure is not None:
+            raise AssertionError(
+                f"the feeder died, so the history is not whole: {feeder.failure!r}"
+            )
         locks = self.db.advisory_locks()
         return self._write_history(started, stopped, feeder, locks)
 

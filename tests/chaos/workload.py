@@ -177,7 +177,13 @@ class Feeder:
     # -- the thread ------------------------------------------------------------------
 
     def _main(self) -> None:
-        asyncio.run(self._run())
+        try:
+            asyncio.run(self._run())
+        except BaseException as exc:  # kept for the harness: a dead witness is no evidence
+            self.failure = exc
+            raise
+
+    failure: BaseException | None = None
 
     async def _run(self) -> None:
         listener = asyncio.create_task(self._listen(), name="chaos-listener")
@@ -208,7 +214,10 @@ class Feeder:
                 if conn is None or conn.is_closed():
                     conn = await self._connect()
                 scheduled = await self._schedule(conn, key, via, due_in)
-            except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            # Any failure at all: under faults asyncpg also raises its InternalClientError
+            # (a timed-out call leaves the protocol mid-operation). The feeder is the
+            # application here, and applications retry.
+            except Exception as exc:
                 with self._lock:
                     self.log.errors.append((time.time(), f"{type(exc).__name__}: {exc}"))
                     if key not in self.log.uncertain:
@@ -276,7 +285,7 @@ class Feeder:
                 if conn is not None:
                     conn.terminate()
                 raise
-            except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+            except Exception:  # whatever broke the connection: a gap, then listen again
                 if conn is not None:
                     conn.terminate()
                 await asyncio.sleep(0.1)
