@@ -34,6 +34,7 @@ from rig.ticks import (
     stop_all,
     wait_for_event,
 )
+from rig.waiting import wait_until
 
 from scheduler_daemon.config import DEFAULT_PLUGIN_KEY
 
@@ -64,17 +65,6 @@ def replica_env(
         **effects_env(log, seconds),
         **extra,
     }
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.02)
 
 
 def mid_run(log: Path, instance: str, kinds: set[str], timeout: float = 20.0) -> None:

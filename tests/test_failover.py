@@ -43,6 +43,7 @@ from rig.ticks import (
     stop_all,
     wait_for_event,
 )
+from rig.waiting import wait_until
 
 from scheduler_daemon.config import DEFAULT_PLUGIN_KEY, DEFAULT_PUBLISH_KEY
 
@@ -71,17 +72,6 @@ WHERE l.locktype = 'advisory' AND l.objsubid = 1
   AND l.objid = ($1::bigint & 4294967295)::oid
 ORDER BY l.granted DESC
 """
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.05)
 
 
 def standbys_waiting(dsn: str, key: int, count: int) -> None:

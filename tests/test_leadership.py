@@ -20,6 +20,7 @@ import asyncpg
 import pytest
 from rig.databases import run_sync
 from rig.processes import DaemonProcess, Daemons, run_cli
+from rig.sql import LOCK_HOLDERS
 from rig.ticks import (
     FAST_TIMINGS,
     PLUGIN_ONLY,
@@ -48,18 +49,7 @@ async def lock_holders(dsn: str, key: int) -> list[dict[str, Any]]:
     """Who holds (granted) and who waits for advisory lock `key`, from pg_locks."""
     conn = await asyncpg.connect(dsn, server_settings=RIG_APP)
     try:
-        rows = await conn.fetch(
-            """
-            SELECT l.pid, l.granted, a.application_name
-            FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-            WHERE l.locktype = 'advisory' AND l.objsubid = 1
-              AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-              AND l.classid = (($1::bigint >> 32) & 4294967295)::oid
-              AND l.objid = ($1::bigint & 4294967295)::oid
-            ORDER BY l.granted DESC
-            """,
-            key,
-        )
+        rows = await conn.fetch(LOCK_HOLDERS, key)
     finally:
         await conn.close()
     return [dict(row) for row in rows]

@@ -37,6 +37,7 @@ from rig.netns import Namespaces, NetEvent
 from rig.pgcluster import PgCluster, find_pg_bindir
 from rig.plugin import ci_is_set
 from rig.processes import CLI, DaemonProcess, Daemons, daemon_env
+from rig.sql import LOCK_HOLDERS
 from rig.ticks import (
     FAST_TIMINGS,
     PLUGIN_ONLY,
@@ -46,6 +47,7 @@ from rig.ticks import (
     stop_all,
     wait_for_event,
 )
+from rig.waiting import wait_until
 
 from scheduler_daemon.config import DEFAULT_PLUGIN_KEY
 
@@ -115,7 +117,7 @@ def test_argv_runs_the_command_itself_inside_the_namespace(
     assert _netns_inode(process.pid) == net.hosts[n].path.stat().st_ino
     assert _netns_inode(process.pid) != Path("/proc/self/ns/net").stat().st_ino
     process.signal(signal.SIGSTOP)
-    _wait(lambda: _proc_state(process.pid) == "T", 5, "the command stopped")
+    wait_until(lambda: _proc_state(process.pid) == "T", 5, "the command stopped")
     process.signal(signal.SIGKILL)
     assert process.wait(5) == -signal.SIGKILL
 
@@ -247,7 +249,9 @@ def test_leftovers_of_a_killed_run_are_removed(netns_here: None, tmp_path: Path)
                                          text=True, check=True).stdout  # fmt: skip
     assert chain not in subprocess.run(["iptables", "-w", "-S"], capture_output=True,
                                        text=True, check=True).stdout  # fmt: skip
-    _wait(lambda: not Path(f"/proc/{delayer}").exists(), 5, "the orphaned delay process to exit")
+    wait_until(
+        lambda: not Path(f"/proc/{delayer}").exists(), 5, "the orphaned delay process to exit"
+    )
 
 
 def _netns_names() -> set[str]:
@@ -367,27 +371,7 @@ def _datagrams_through(net: Namespaces, n: int, count: int) -> tuple[int, int]:
     return arrived[0], arrived[1]
 
 
-def _wait(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.02)
-
-
 # -- the product --------------------------------------------------------------------------
-
-LOCK_HOLDERS = """
-SELECT l.pid, l.granted, a.application_name
-FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.locktype = 'advisory' AND l.objsubid = 1
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND l.classid = (($1::bigint >> 32) & 4294967295)::oid
-  AND l.objid = ($1::bigint & 4294967295)::oid
-"""
 
 # The test timings with stall_timeout raised, so that the server's idle timeout cannot be
 # what frees a cut-off leader's lock: keepalive / tcp_user_timeout must (>= 3 s after the
@@ -557,7 +541,7 @@ def _next_leader(processes: list[DaemonProcess], since: float) -> DaemonProcess:
         assert len(found) <= 1, f"more than one new leader: {[p.name for p in found]}"
         return found[0] if found else None
 
-    leader: DaemonProcess = _wait(find, 60, "a standby to take over")
+    leader: DaemonProcess = wait_until(find, 60, "a standby to take over")
     return leader
 
 
@@ -596,19 +580,19 @@ def test_a_partitioned_leader_stops_before_the_server_frees_its_lock(
     replicas = start_replicas(daemons, net, host_url, ["p0", "p1", "p2"], log, timings)
     leader, standbys, old = replicas.leader, replicas.standbys, replicas.leader.name
     backend = lock_backend(host_url, old)
-    _wait(lambda: _mid_run(log, old), 20, f"{old} in the middle of an async and a sync run")
+    wait_until(lambda: _mid_run(log, old), 20, f"{old} in the middle of an async and a sync run")
 
     freed = cut_and_watch(host_url, backend, lambda: net.partition(replicas.at))
     cut_at = freed.cut.started
     lost = wait_for_event(leader, "leader.lost", after=cut_at, loop="plugin", timeout=15)
     successor = _next_leader(standbys, cut_at)
-    _wait(lambda: runs_of(log, successor.name), 20, "a run by the new leader")
+    wait_until(lambda: runs_of(log, successor.name), 20, "a run by the new leader")
     assert leader.poll() is None, "the cut-off leader exited: " + leader.output()[-2000:]
     freed_by = why_freed(server_lines(host_pg, backend))
 
     heal = net.heal(replicas.at)
     waiting = wait_for_event(leader, "leader.waiting", after=heal.ended, loop="plugin", timeout=30)
-    _wait(lambda: any(r["application_name"] == lock_app(old) and not r["granted"]
+    wait_until(lambda: any(r["application_name"] == lock_app(old) and not r["granted"]
                       for r in _query(host_url, LOCK_HOLDERS, DEFAULT_PLUGIN_KEY)),
           10, f"{old} waiting on the lock")  # fmt: skip
     time.sleep(0.5)  # and staying a standby
@@ -647,7 +631,7 @@ def test_a_leader_cut_off_mid_statement_loses_its_lock_by_the_connection_check(
     replicas = start_replicas(daemons, net, host_url, ["m0", "m1"], log, KEEPALIVE_TIMINGS, tasks)
     old = replicas.leader.name
     backend = lock_backend(host_url, old)
-    _wait(lambda: _query(host_url, "SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND "
+    wait_until(lambda: _query(host_url, "SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND "
                          "query LIKE '%pg_sleep(60)%' AND state = 'active'", backend),
           20, f"{old}'s lock session running the long statement")  # fmt: skip
 
@@ -690,11 +674,11 @@ def test_a_slow_lossy_link_leads_or_hands_over_without_overlap(
     log = tmp_path / "effects.jsonl"
     replicas = start_replicas(daemons, net, host_url, ["b0", "b1"], log, timings)
     leader, (standby,) = replicas.leader, replicas.standbys
-    _wait(lambda: _mid_run(log, leader.name), 20, "the leader in the middle of two runs")
+    wait_until(lambda: _mid_run(log, leader.name), 20, "the leader in the middle of two runs")
     bad = net.impair(replicas.at, delay_ms=200, jitter_ms=20, loss_pct=5)
     time.sleep(impaired_for)
     good = net.clear(replicas.at)
-    _wait(lambda: len([r for r in read_effects(log) if r.start > good.ended]) >= 2, 20,
+    wait_until(lambda: len([r for r in read_effects(log) if r.start > good.ended]) >= 2, 20,
           "work going on once the link is healthy")  # fmt: skip
     assert leader.poll() is None
     assert standby.poll() is None

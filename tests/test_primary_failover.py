@@ -57,6 +57,7 @@ from rig.pgcluster import PgCluster, find_pg_bindir
 from rig.processes import DaemonProcess, Daemons, run_cli
 from rig.standby import Failover, ReplicatedCluster
 from rig.ticks import FAST_TIMINGS, RIG_APP
+from rig.waiting import wait_until
 
 from scheduler_daemon.config import Settings
 from scheduler_daemon.leadership.base import settle_time
@@ -246,17 +247,6 @@ def replica_env(dsn: str, instance: str, effects_log: Path) -> dict[str, str]:
         **effects_env(effects_log, 0.1),
         "EFFECTS_PUBLISH_SECONDS": "0.02",
     }
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.05)
 
 
 # -- one run: replicas, feeder, failovers -------------------------------------------------

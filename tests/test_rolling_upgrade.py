@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -47,6 +47,7 @@ from rig.ticks import (
     probe_env,
     stop_all,
 )
+from rig.waiting import wait_until
 from test_http import http_get
 
 import scheduler_daemon
@@ -613,17 +614,6 @@ def current_leader(url: str, loop: str) -> str:
     )  # fmt: skip
     name: str = rows[0]["instance"]
     return name
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.05)
 
 
 # Each loop's lock holder that claimed leadership (a leaders row for its backend): an old

@@ -15,13 +15,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, Self
 
-import asyncpg
 from rig import netns
-from rig.databases import migrate, run_sync
+from rig.databases import migrate
 from rig.pgcluster import PgCluster
-from rig.sql import fetch
+from rig.sql import execute, fetch
 from rig.standby import ReplicatedCluster
-from rig.ticks import RIG_APP
 
 DBNAME = "chaos"
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
@@ -220,12 +218,13 @@ class ChaosDatabase:
         """The instance holding `loop`'s lock now, as the server sees it (None: nobody, or
         the server is not answering)."""
         try:
-            rows = _quick_fetch(
+            rows = fetch(
                 self.admin_dsn,
                 "SELECT s.instance FROM scheduler_leaders s JOIN pg_locks l "
                 "ON l.pid = s.backend_pid AND l.locktype = 'advisory' AND l.granted "
                 "WHERE s.loop = $1",
                 loop,
+                timeout=2,
             )
         except Exception:
             return None
@@ -241,29 +240,3 @@ class ChaosDatabase:
             "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
         )
         return [dict(row) for row in rows]
-
-
-def execute(dsn: str, sql: str, timeout: float = 10.0) -> None:
-    """Run `sql` (several statements allowed) on a connection of its own."""
-
-    async def go() -> None:
-        conn = await asyncpg.connect(dsn, timeout=timeout, server_settings=RIG_APP)
-        try:
-            await conn.execute(sql, timeout=timeout)
-        finally:
-            await conn.close()
-
-    run_sync(go())
-
-
-def _quick_fetch(dsn: str, sql: str, *args: Any, timeout: float = 2.0) -> list[dict[str, Any]]:
-    """`rig.sql.fetch` with a short timeout: the nemesis asks while servers are down."""
-
-    async def go() -> list[dict[str, Any]]:
-        conn = await asyncpg.connect(dsn, timeout=timeout, server_settings=RIG_APP)
-        try:
-            return [dict(row) for row in await conn.fetch(sql, *args, timeout=timeout)]
-        finally:
-            conn.terminate()
-
-    return run_sync(go())

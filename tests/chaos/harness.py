@@ -27,26 +27,13 @@ from typing import Any
 
 from rig.effects import read_effects
 from rig.processes import CLI, DaemonProcess, Daemons, daemon_env
-from rig.sql import fetch
-from rig.ticks import FAST_TIMINGS
+from rig.sql import execute, fetch
+from rig.ticks import FAST_TIMINGS, instance_of
 
-from chaos.environment import ChaosDatabase, ChaosNetwork, execute, faketime_env
+from chaos.environment import ChaosDatabase, ChaosNetwork, faketime_env
 from chaos.history import History
-from chaos.nemesis import REPLICA_FAULTS, FaultKind, Intent, plan
+from chaos.nemesis import ALL_KINDS, REPLICA_FAULTS, FaultKind, Intent, plan
 from chaos.workload import KEY_PREFIX, TASK_PERIODS, WORKLOAD_DDL, Feeder, FeedLog, replica_env
-
-ALL_KINDS: tuple[FaultKind, ...] = (
-    "sigkill",
-    "sigterm",
-    "sigstop",
-    "pg_restart_fast",
-    "pg_restart_immediate",
-    "partition",
-    "netem",
-    "failover_sync",
-    "failover_async",
-    "clock_skew",
-)
 
 # Leadership log events, and what they mean for the timeline.
 LEADER_EVENTS = {
@@ -351,7 +338,7 @@ class ChaosRun:
                 "type": "publish_effect",
                 "id": _key_order(row["key"]),
                 "source": "audit",
-                "instance": _instance(row["instance"]),
+                "instance": instance_of(row["instance"]),
                 "token": row["token"],
                 "at": row["at"].timestamp(),
             }
@@ -371,7 +358,7 @@ class ChaosRun:
         ):
             slot = row["slot"].isoformat() if row["slot"] else None
             yield {"type": "run", "loop": "plugin", "task": "sql_probe", "slot": slot,
-                   "kind": "sql", "source": "db", "instance": _instance(row["instance"]),
+                   "kind": "sql", "source": "db", "instance": instance_of(row["instance"]),
                    "token": row["token"], "start": row["started"].timestamp(),
                    "end": row["ended"].timestamp(), "outcome": "end"}  # fmt: skip
         for row in fetch(
@@ -415,12 +402,6 @@ class ChaosRun:
                 code = incarnation.process.poll()
                 yield {"type": "exit", "instance": incarnation.instance, "code": code,
                        "at": incarnation.ended}  # fmt: skip
-
-
-def _instance(application_name: str) -> str:
-    """``scheduler-daemon/r2.1/lock:plugin`` -> ``r2.1``."""
-    parts = application_name.split("/")
-    return "/".join(parts[1:-1]) if len(parts) >= 3 else application_name
 
 
 def _key_order(key: str) -> int:

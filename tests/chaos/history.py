@@ -40,13 +40,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ClassVar, get_args
+from typing import Any, ClassVar
 
 from rig.effects import EffectRun
 
-from chaos.nemesis import FaultKind
+from chaos.nemesis import ALL_KINDS
 
-FAULT_KINDS: frozenset[str] = frozenset(get_args(FaultKind))
+FAULT_KINDS: frozenset[str] = frozenset(ALL_KINDS)
 LOOPS = ("publish", "plugin")
 SOURCES = ("audit", "notify", "external")
 RUN_SOURCES = ("db", "external")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 FaultKind = Literal[
     "sigkill",
@@ -28,6 +28,7 @@ FaultKind = Literal[
     "failover_async",
     "clock_skew",
 ]
+ALL_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
 
 # How often each kind is drawn, relative to the others. Process faults are the common
 # case in production; primary failover is rare and slow (a new standby is built after).

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from chaos.checker import check
-from chaos.harness import ALL_KINDS, ChaosConfig, ChaosRun
+from chaos.harness import ChaosConfig, ChaosRun
 from chaos.history import History
-from chaos.nemesis import FaultKind
+from chaos.nemesis import ALL_KINDS, FaultKind
 from chaos.report import write_report
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -148,6 +148,7 @@ class Feeder:
         self._sequence = 0
         self._stopping = threading.Event()
         self._closing = threading.Event()
+        self.failure: BaseException | None = None  # what ended the thread, if not close()
         self._thread = threading.Thread(target=self._main, name="chaos-feeder", daemon=True)
         self._lock = threading.Lock()
 
@@ -182,8 +183,6 @@ class Feeder:
         except BaseException as exc:  # kept for the harness: a dead witness is no evidence
             self.failure = exc
             raise
-
-    failure: BaseException | None = None
 
     async def _run(self) -> None:
         listener = asyncio.create_task(self._listen(), name="chaos-listener")

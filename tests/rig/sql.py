@@ -31,6 +31,18 @@ def _sqlite_fetch(url: str, sql: str, params: tuple[Any, ...]) -> list[dict[str,
         conn.close()
 
 
+# Who holds (granted first) and who waits for the advisory lock whose key is $1 (PostgreSQL).
+LOCK_HOLDERS = """
+SELECT l.pid, l.granted, a.application_name
+FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.objsubid = 1
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.classid = (($1::bigint >> 32) & 4294967295)::oid
+  AND l.objid = ($1::bigint & 4294967295)::oid
+ORDER BY l.granted DESC
+"""
+
+
 async def afetch(url: str, sql: str, *params: Any) -> list[dict[str, Any]]:
     if url.startswith("sqlite"):
         return await asyncio.to_thread(_sqlite_fetch, url, sql, params)
@@ -41,10 +53,24 @@ async def afetch(url: str, sql: str, *params: Any) -> list[dict[str, Any]]:
         await conn.close()
 
 
-def fetch(url: str, sql: str, *params: Any) -> list[dict[str, Any]]:
+def fetch(url: str, sql: str, *params: Any, timeout: float | None = None) -> list[dict[str, Any]]:
+    """`timeout`: for all of it, connecting included (asking a server that may be down)."""
     if url.startswith("sqlite"):
         return _sqlite_fetch(url, sql, params)
-    return asyncio.run(afetch(url, sql, *params))
+    return asyncio.run(asyncio.wait_for(afetch(url, sql, *params), timeout))
+
+
+def execute(url: str, sql: str) -> None:
+    """Run a script of several statements (PostgreSQL; ``fetch`` takes one)."""
+
+    async def go() -> None:
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(go())
 
 
 def scalar(url: str, sql: str, *params: Any) -> Any:
