@@ -255,9 +255,14 @@ class PluginTaskSettings(Section):
     # An SQL task's statement_timeout is its timeout plus a second (loops/plugin.py).
     timeout: Duration = Field(default=300.0, le=_MAX_STATEMENT_TIMEOUT - 1)
     misfire: Literal["run_once", "skip"] = "run_once"
+    # Each slot runs up to this much later, by an offset fixed per task (a hash of its
+    # name): tasks on one period spread out instead of all firing at one instant.
+    jitter: Duration = Field(default=0.0, ge=0)
     enabled: bool = True
     target: str | None = None
     sql: str | None = None
+    # JSON object handed to the target as ctx.args.
+    args: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _one_schedule_one_action(self) -> PluginTaskSettings:
@@ -265,14 +270,19 @@ class PluginTaskSettings(Section):
             raise ValueError(f"task {self.name!r}: give exactly one of 'every' and 'cron'")
         if (self.target is None) == (self.sql is None):
             raise ValueError(f"task {self.name!r}: give exactly one of 'target' and 'sql'")
+        if self.args and self.sql is not None:
+            raise ValueError(f"task {self.name!r}: 'args' are for a target, not 'sql'")
         return self
 
 
 class PluginSettings(Section):
     enabled: bool = True
     interval: Duration = 1.0
-    # Task runs in flight at once; a due task waits for a free place.
-    concurrency: int = Field(default=4, ge=1, le=1000)
+    # Task runs in flight at once; a due task waits for a free place (docs/performance.md
+    # measured the default: async targets that wait on I/O need many places).
+    concurrency: int = Field(default=100, ge=1, le=10_000)
+    # Of those, runs of sync targets at once: each takes a worker process.
+    sync_concurrency: int = Field(default=4, ge=1, le=1000)
     # A task that fails this many times in a row is paused (resume with `tasks resume`).
     max_consecutive_failures: int = Field(default=5, ge=1, le=_PG_INT_MAX)
     # Rows of run history kept per task in scheduler_plugin_runs.
@@ -281,6 +291,10 @@ class PluginSettings(Section):
     entry_points: bool = True
     # Task names (from config, plugins or built-ins) not to run.
     disabled: list[str] = Field(default_factory=list)
+    # Targets ("pkg.mod:func") that runtime schedules may name, beyond the targets of the
+    # declared tasks (docs/plugins.md, "Schedules as data"). Nothing else can be run from
+    # a row in the database.
+    runnable: list[str] = Field(default_factory=list)
     tasks: list[PluginTaskSettings] = Field(default_factory=list)
 
     @field_validator("tasks")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from collections.abc import Coroutine, Mapping
 from contextlib import AsyncExitStack
 from typing import Any, Literal, TypeVar
@@ -39,7 +40,7 @@ from .loops.plugin import PluginWork
 from .loops.publish import PublishWork
 from .metrics import Metrics
 from .plugins.builtin import builtin_tasks
-from .plugins.tasks import TaskSpec, load_tasks
+from .plugins.tasks import Target, TaskSpec, load_tasks, runnable_targets
 from .plugins.worker import Workers
 from .publishers import Publisher, build_publishers
 from .schema_gate import SchemaGate
@@ -64,6 +65,7 @@ class Daemon:
         self.metrics = Metrics()
         self.schema = SchemaGate(settings.database_url.backend)
         self._tasks: list[TaskSpec] = []
+        self._runnable: dict[str, Target] = {}  # what runtime schedules may name
         self._publishers: list[Publisher] = []
         self._workers: Workers | None = None
         self.notifier = Notifier.from_environ(log)
@@ -99,7 +101,15 @@ class Daemon:
             )
             return publish, self.settings.publish.interval
         sticky = store.backend == "sqlite" or self.settings.lock.mode == "session"
-        work = PluginWork(self._tasks, self.settings, self.metrics, self._workers, sticky, listener)
+        work = PluginWork(
+            self._tasks,
+            self._runnable,
+            self.settings,
+            self.metrics,
+            self._workers,
+            sticky,
+            listener,
+        )
         return work, self.settings.plugin.interval
 
     def _listener(self, store: db.Store, stack: AsyncExitStack) -> Listener | None:
@@ -118,9 +128,9 @@ class Daemon:
         targets' modules imported, so that the first run does not pay for it."""
         if "plugin" not in self.enabled_loops():
             return
-        modules = sorted(
-            {spec.target.__module__ for spec in self._tasks if spec.target and not spec.is_async}
-        )
+        targets = [spec.target for spec in self._tasks if spec.target is not None]
+        targets += self._runnable.values()
+        modules = sorted({t.__module__ for t in targets if not inspect.iscoroutinefunction(t)})
         if not modules:
             return
         workers = Workers(preload=modules)
@@ -159,6 +169,7 @@ class Daemon:
     def _validate_config(self) -> None:
         # Task declarations are config: validate them (exit 78) before touching the database.
         self._tasks = load_tasks(self.settings, builtin_tasks(self.settings))
+        self._runnable = runnable_targets(self.settings, self._tasks)
         self._publishers = build_publishers(self.settings, self.settings.database_url.backend)
 
     async def _prepare(self, store: db.Store) -> None:

@@ -70,8 +70,20 @@ class Metrics:
         )
         self.plugin_runs = Counter(
             "scheduler_plugin_runs_total",
-            "Plugin task runs, by task and result.",
+            "Plugin task runs, by task (a runtime schedule: its target) and result.",
             ["task", "result"],
+            registry=r,
+        )
+        self.plugin_lag = Gauge(
+            "scheduler_plugin_lag_seconds",
+            "Age of the oldest due plugin slot at the leader's last tick (0: nothing was "
+            "waiting): how far behind the plugin loop is.",
+            registry=r,
+        )
+        self.plugin_misfires = Counter(
+            "scheduler_plugin_misfires_total",
+            "Plugin schedules found a whole period or more late (the misfire policy chose "
+            "what ran).",
             registry=r,
         )
         self.plugin_run_duration = Histogram(

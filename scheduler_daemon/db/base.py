@@ -87,6 +87,15 @@ class Tx(Protocol):
         aware datetimes."""
         ...
 
+    async def query(self, query: str, **params: Any) -> list[dict[str, Any]]:
+        """Run the named query, written with named parameters (``:name``), from the
+        backend's queries file; rows as :meth:`fetch` returns them. A list is a PostgreSQL
+        array (SQLite: JSON text, read with ``json_each``). On SQLite a query may be a
+        script of several statements (no data-modifying CTEs there): each runs in order
+        with the same parameters, and the rows of all of them are returned. Typed callers
+        live in db/plugin_store.py."""
+        ...
+
     async def run(self, sql: str, *args: Any) -> None:
         """Run one caller-supplied statement with parameters ($1… / ?1…)."""
         ...

@@ -32,7 +32,7 @@ from .base import (
 )
 from .common import explain_cancel_refusal
 from .privileges import refuse_missing_grants, refuse_unusable_schema
-from .sqlfiles import Migration, migrations, queries
+from .sqlfiles import Migration, migrations, positional, queries
 from .url import DatabaseUrl
 
 Q = queries("postgres")
@@ -211,6 +211,12 @@ class PgTx:
     async def fetch(self, query: str, *args: Any) -> list[dict[str, Any]]:
         async with _held(self.gate):
             return [dict(row) for row in await self.conn.fetch(Q[query], *args)]
+
+    async def query(self, query: str, **params: Any) -> list[dict[str, Any]]:
+        text, names = positional("postgres", query)
+        args = [params[name] for name in names]
+        async with _held(self.gate):
+            return [dict(row) for row in await self.conn.fetch(text, *args)]
 
     async def run(self, sql: str, *args: Any) -> None:
         async with _held(self.gate):

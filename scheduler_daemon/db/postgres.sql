@@ -201,87 +201,188 @@ CROSS JOIN LATERAL (SELECT greatest(s.heartbeat_at,
          WHEN a.state = 'active' THEN now() ELSE a.state_change END) AS heartbeat_at) h
 ORDER BY s.loop
 
--- Plugin loop. Everything below runs inside the tick's fenced transaction (Tx).
+-- Plugin loop (db/plugin_store.py calls these with named parameters, :name). Everything
+-- here runs inside the tick's fenced transaction. Batches arrive as JSON arrays of
+-- objects, one statement per batch whatever its size.
 
 -- name: now
 SELECT now() AS now
 
--- name: task_states
-SELECT name, schedule, next_run_at, active, paused, trigger_requested_at
-FROM scheduler_plugin_tasks
+-- name: plugin_declare
+-- A leader's first tick: the deployment's declared tasks (config, plugins, built-ins) as
+-- rows, each known task keeping its next_run_at (a restart must not reschedule) unless its
+-- schedule changed; declared rows no longer declared go inactive and keep their state.
+-- Runtime schedules (target set) are the application's: never touched here.
+WITH input AS (
+    SELECT * FROM jsonb_to_recordset(:tasks::text::jsonb)
+        AS i(name text, schedule text, first timestamptz, source text)
+),
+before AS (
+    SELECT t.name, t.schedule, t.active, t.target FROM scheduler_plugin_tasks t
+    JOIN input USING (name)
+),
+inserted AS (
+    INSERT INTO scheduler_plugin_tasks (name, schedule, next_run_at, source)
+    SELECT name, schedule, first, source FROM input
+    ON CONFLICT (name) DO NOTHING
+    RETURNING name
+),
+changed AS (
+    UPDATE scheduler_plugin_tasks t
+    SET schedule = i.schedule, source = i.source, active = true, updated_at = now(),
+        next_run_at = CASE WHEN t.schedule <> i.schedule THEN i.first ELSE t.next_run_at END
+    FROM input i
+    WHERE t.name = i.name AND t.target IS NULL
+      AND (t.schedule <> i.schedule OR NOT t.active OR t.source <> i.source)
+    RETURNING t.name
+),
+retired AS (
+    UPDATE scheduler_plugin_tasks SET active = false, updated_at = now()
+    WHERE active AND target IS NULL AND name NOT IN (SELECT name FROM input)
+    RETURNING name
+)
+SELECT 'registered' AS change, name FROM inserted
+UNION ALL
+SELECT CASE WHEN b.schedule <> i.schedule THEN 'rescheduled' ELSE 'activated' END, c.name
+FROM changed c JOIN before b USING (name) JOIN input i USING (name)
+UNION ALL
+SELECT 'shadowed', b.name FROM before b WHERE b.target IS NOT NULL
+UNION ALL
+SELECT 'retired', name FROM retired
 
--- name: task_insert
-INSERT INTO scheduler_plugin_tasks (name, schedule, next_run_at) VALUES ($1, $2, $3)
-ON CONFLICT (name) DO NOTHING
+-- name: plugin_runnable
+-- The targets runtime schedules may name: this leader's declaration replaces the last.
+WITH input AS (SELECT jsonb_array_elements_text(:targets::text::jsonb) AS target),
+gone AS (
+    DELETE FROM scheduler_runnable_targets
+    WHERE target NOT IN (SELECT target FROM input)
+)
+INSERT INTO scheduler_runnable_targets (target)
+SELECT target FROM input
+ON CONFLICT (target) DO UPDATE SET updated_at = now()
 
--- name: task_reschedule
--- The task's schedule changed in config: its old next_run_at means nothing any more.
-UPDATE scheduler_plugin_tasks
-SET schedule = $2, next_run_at = $3, active = true, updated_at = now()
-WHERE name = $1
-
--- name: task_activate
-UPDATE scheduler_plugin_tasks SET active = true, updated_at = now()
-WHERE name = $1 AND NOT active
-
--- name: tasks_deactivate_others
-UPDATE scheduler_plugin_tasks SET active = false, updated_at = now()
-WHERE active AND NOT (name = ANY($1::text[]))
-
--- name: runs_abandon_all
+-- name: plugin_abandon
 -- Run by whoever holds the lock while none of its own runs is in flight (a sticky leader
 -- taking over; in transaction mode every tick that wins the lock). Runs execute only while
 -- their replica holds the lock, so a run still marked running is not executing anywhere:
--- it can never record its result. Except the caller's own runs ($2): after losing a hold,
--- a replica may win the next tick while its runs of the lost hold are still being stopped;
--- whichever other replica wins closes them, and waits for them to stop.
+-- it can never record its result. Except the caller's own runs (:keep): after losing a
+-- hold, a replica may win the next tick while its runs of the lost hold are still being
+-- stopped; whichever other replica wins closes them, and waits for them to stop.
 UPDATE scheduler_plugin_runs
-SET status = 'abandoned', finished_at = now(), error = $1
-WHERE status = 'running' AND NOT (id = ANY($2::bigint[]))
+SET status = 'abandoned', finished_at = now(), error = :reason
+WHERE status = 'running' AND NOT (id = ANY(:keep::bigint[]))
 RETURNING name, slot, instance
 
--- name: slot_claim
+-- name: plugin_due
+-- One read per tick, O(due): what is due (its slot passed, or a trigger waits), oldest
+-- first, so that however far behind the leader is no schedule starves; at most :limit
+-- rows, none of :busy (schedules whose last run's result is not recorded yet). Always one
+-- row more: the outlook, with the database's now and the next slot to come, from the same
+-- index (kind 'outlook').
+WITH due AS (
+    (SELECT name FROM scheduler_plugin_tasks
+     WHERE active AND NOT paused AND next_run_at <= now() AND NOT (name = ANY(:busy::text[]))
+     ORDER BY next_run_at LIMIT :limit)
+    UNION
+    (SELECT name FROM scheduler_plugin_tasks
+     WHERE active AND NOT paused AND trigger_requested_at IS NOT NULL
+       AND NOT (name = ANY(:busy::text[]))
+     ORDER BY trigger_requested_at LIMIT :limit)
+)
+(SELECT 'due' AS kind, now() AS now, t.name, t.next_run_at, t.trigger_requested_at,
+        t.target, t.args::text AS args, t.every_seconds, t.cron, t.timezone,
+        t.timeout_seconds, t.misfire, t.jitter_seconds
+ FROM due JOIN scheduler_plugin_tasks t USING (name)
+ ORDER BY least(t.next_run_at, t.trigger_requested_at), t.name
+ LIMIT :limit)
+UNION ALL
+SELECT 'outlook', now(), NULL,
+       (SELECT next_run_at FROM scheduler_plugin_tasks
+        WHERE active AND NOT paused AND next_run_at > now()
+        ORDER BY next_run_at LIMIT 1),
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+
+-- name: plugin_claim
+-- The whole batch in one statement: advance each schedule's next_run_at by compare-and-set
+-- on the value the tick read (a change made meanwhile wins: look again next tick), consume
+-- the trigger it saw, and insert its (name, slot) runs. The unique (name, slot) and the
+-- one-running-run-per-schedule index are the guarantee, whatever the leaders think.
+WITH claim AS (
+    SELECT * FROM jsonb_to_recordset(:claims::text::jsonb)
+        AS c(name text, seen_next timestamptz, next timestamptz, seen_trigger timestamptz,
+             run_slot timestamptz, skip_slot timestamptz)
+),
+advanced AS (
+    UPDATE scheduler_plugin_tasks t
+    SET next_run_at = c.next,
+        trigger_requested_at = CASE WHEN t.trigger_requested_at = c.seen_trigger THEN NULL
+                                    ELSE t.trigger_requested_at END,
+        last_slot = coalesce(c.run_slot, t.last_slot),
+        last_started_at = CASE WHEN c.run_slot IS NULL THEN t.last_started_at ELSE now() END,
+        last_status = CASE WHEN c.run_slot IS NULL THEN t.last_status ELSE 'running' END,
+        run_count = t.run_count + (c.run_slot IS NOT NULL)::int,
+        updated_at = now()
+    FROM claim c
+    WHERE t.name = c.name AND t.next_run_at = c.seen_next
+    RETURNING t.name
+),
+slots AS (
+    SELECT c.name, c.run_slot AS slot, 'running' AS status
+    FROM claim c JOIN advanced USING (name) WHERE c.run_slot IS NOT NULL
+    UNION ALL
+    SELECT c.name, c.skip_slot, 'skipped_overlap'
+    FROM claim c JOIN advanced USING (name) WHERE c.skip_slot IS NOT NULL
+)
 INSERT INTO scheduler_plugin_runs (name, slot, instance, status, finished_at)
-VALUES ($1, $2, $3, $4, CASE WHEN $4 = 'running' THEN NULL ELSE now() END)
-ON CONFLICT (name, slot) DO NOTHING
-RETURNING id
+SELECT name, slot, :instance::text, status, CASE WHEN status = 'running' THEN NULL ELSE now() END
+FROM slots
+ON CONFLICT DO NOTHING
+RETURNING id, name, slot, status
 
--- name: task_advance
--- Compare-and-set on the next_run_at this tick read.
-UPDATE scheduler_plugin_tasks SET next_run_at = $3, updated_at = now()
-WHERE name = $1 AND next_run_at = $2
-RETURNING name
+-- name: plugin_refuse
+-- Runtime schedules this leader cannot run (a target it does not declare runnable, a
+-- schedule it cannot read): paused, with the reason, until an operator resumes them.
+UPDATE scheduler_plugin_tasks t
+SET paused = true, last_status = 'failed', last_error = r.error, updated_at = now()
+FROM jsonb_to_recordset(:refused::text::jsonb) AS r(name text, error text)
+WHERE t.name = r.name
+RETURNING t.name
 
--- name: trigger_consume
-UPDATE scheduler_plugin_tasks SET trigger_requested_at = NULL, updated_at = now()
-WHERE name = $1 AND trigger_requested_at = $2
-RETURNING name
-
--- name: task_started
-UPDATE scheduler_plugin_tasks
-SET last_slot = $2, last_started_at = now(), last_status = 'running',
-    run_count = run_count + 1, updated_at = now()
-WHERE name = $1
-
--- name: run_finish
-UPDATE scheduler_plugin_runs SET status = $2, error = $3, finished_at = clock_timestamp()
-WHERE id = $1 AND status = 'running'
-RETURNING id
-
--- name: task_finished
-UPDATE scheduler_plugin_tasks
-SET last_finished_at = clock_timestamp(), last_status = $2, last_error = $3,
-    consecutive_failures = CASE WHEN $2 = 'succeeded' THEN 0 ELSE consecutive_failures + 1 END,
-    paused = paused OR ($2 <> 'succeeded' AND consecutive_failures + 1 >= $4),
+-- name: plugin_finish
+-- A batch of results: each run's row, then its schedule's last_* columns, failure count
+-- and auto-pause (set-based: one statement, whatever the batch holds). A run already
+-- closed by someone else (abandoned) records nothing.
+WITH result AS (
+    SELECT * FROM jsonb_to_recordset(:results::text::jsonb)
+        AS r(id bigint, status text, error text, finished_at timestamptz)
+),
+finished AS (
+    UPDATE scheduler_plugin_runs p
+    SET status = r.status, error = r.error, finished_at = r.finished_at
+    FROM result r
+    WHERE p.id = r.id AND p.status = 'running'
+    RETURNING p.name, r.status, r.error, r.finished_at
+)
+UPDATE scheduler_plugin_tasks t
+SET last_finished_at = f.finished_at, last_status = f.status, last_error = f.error,
+    consecutive_failures = CASE WHEN f.status = 'succeeded' THEN 0
+                                ELSE t.consecutive_failures + 1 END,
+    paused = t.paused OR (f.status <> 'succeeded'
+                          AND t.consecutive_failures + 1 >= :max_failures),
     updated_at = now()
-WHERE name = $1
-RETURNING consecutive_failures, paused
+FROM finished f
+WHERE t.name = f.name
+RETURNING t.name, t.consecutive_failures, t.paused, t.run_count
 
--- name: runs_trim
-DELETE FROM scheduler_plugin_runs
-WHERE name = $1 AND status <> 'running'
-  AND id <= (SELECT id FROM scheduler_plugin_runs WHERE name = $1
-             ORDER BY id DESC OFFSET $2 LIMIT 1)
+-- name: plugin_trim
+-- History kept per schedule: found from the (name, slot) index, per schedule named.
+DELETE FROM scheduler_plugin_runs p
+USING (SELECT n.name, c.slot AS cutoff
+       FROM unnest(:names::text[]) AS n(name)
+       CROSS JOIN LATERAL (SELECT slot FROM scheduler_plugin_runs
+                           WHERE name = n.name ORDER BY slot DESC
+                           OFFSET :keep LIMIT 1) c) old
+WHERE p.name = old.name AND p.slot <= old.cutoff AND p.status <> 'running'
 
 -- name: purge_publications
 DELETE FROM scheduler_publications

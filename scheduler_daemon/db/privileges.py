@@ -73,6 +73,8 @@ def required_grants(loops: Collection[str], *, session: bool, webhook: bool, pur
     if "plugin" in loops:
         grant("scheduler_plugin_tasks", "SELECT", "INSERT", "UPDATE")
         grant("scheduler_plugin_runs", "SELECT", "INSERT", "UPDATE", "DELETE")  # trimmed
+        # The leader publishes what runtime schedules may name (an upsert, and a delete).
+        grant("scheduler_runnable_targets", "SELECT", "INSERT", "UPDATE", "DELETE")
         if purge:
             grant("scheduler_publications", "DELETE")
     return dict(need)

@@ -14,6 +14,8 @@ from importlib.resources import files
 from .url import Backend
 
 _NAME_LINE = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.M)
+# A named parameter, ``:name``; not a cast (``::jsonb``) nor a time inside a literal.
+_NAMED_PARAMETER = re.compile(r"(?<![:\w]):([a-z_][a-z0-9_]*)")
 _MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
 
@@ -33,6 +35,23 @@ def queries(backend: Backend) -> dict[str, str]:
     if len(named) != len(parts[1::2]):
         raise RuntimeError(f"{backend}.sql defines a query name twice")
     return named
+
+
+@cache
+def positional(backend: Backend, query: str) -> tuple[str, tuple[str, ...]]:
+    """A query written with named parameters (``:name``) as the driver's positional text
+    (``$1``…), and the parameter names in position order (a name used twice is one
+    position). For asyncpg, which knows positions only."""
+    order: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        name = match[1]
+        if name not in order:
+            order.append(name)
+        return f"${order.index(name) + 1}"
+
+    text = _NAMED_PARAMETER.sub(number, queries(backend)[query])
+    return text, tuple(order)
 
 
 @cache

@@ -11,6 +11,7 @@ writer.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import os
@@ -34,18 +35,13 @@ from .base import (
     PublicationStats,
     ScheduleResult,
 )
-from .common import explain_cancel_refusal
+from .common import explain_cancel_refusal, to_db_time
 from .sqlfiles import migrations, queries
 from .sqlite_file import check_database_file, real_path
 from .url import DatabaseUrl
 
 Q = queries("sqlite")
 _UNIX_EPOCH_JD = 2440587.5
-
-
-def to_db_time(value: datetime) -> str:
-    """UTC, fixed width, microseconds: sorts and compares like the instant it names."""
-    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 # SQLite's own grammar for a date and time (date.c), which rows written by hand may use and
@@ -123,6 +119,12 @@ def split_script(script: str) -> list[str]:
     return statements
 
 
+@functools.cache
+def _statements(query: str) -> tuple[str, ...]:
+    """A named query's statements (more than one where SQLite needs a script)."""
+    return tuple(split_script(Q[query]))
+
+
 def _publication(row: sqlite3.Row) -> Publication:
     return Publication(**from_db_row(row))
 
@@ -166,6 +168,14 @@ class SqliteTx:
         params = tuple(to_db_value(arg) for arg in args)
         async with self.conn.execute(Q[query], params) as cursor:
             return [from_db_row(row) for row in await cursor.fetchall()]
+
+    async def query(self, query: str, **params: Any) -> list[dict[str, Any]]:
+        values = {name: to_db_value(value) for name, value in params.items()}
+        rows: list[dict[str, Any]] = []
+        for statement in _statements(query):
+            async with self.conn.execute(statement, values) as cursor:
+                rows += [from_db_row(row) for row in await cursor.fetchall()]
+        return rows
 
     async def run(self, sql: str, *args: Any) -> None:
         await self.conn.execute(sql, tuple(to_db_value(arg) for arg in args))

@@ -86,88 +86,154 @@ SELECT loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartb
        (julianday('now') - julianday(heartbeat_at)) * 86400.0 AS heartbeat_age, fencing_token
 FROM scheduler_leaders ORDER BY loop
 
--- Plugin loop. Parameters are numbered (?1, ?2, …) in the same order as postgres.sql.
+-- Plugin loop: the same names, parameters and results as postgres.sql (see there for the
+-- why). SQLite has no data-modifying CTE, so a query may be several statements, run in
+-- order with the same named parameters; rows come from each that returns any. The tick
+-- holds the write lock (BEGIN IMMEDIATE) from its first statement, so nothing changes
+-- between its read and its claim. Times are compared through julianday(): rows written by
+-- hand may spell them differently.
 
 -- name: now
 SELECT strftime('%Y-%m-%dT%H:%M:%fZ', 'now') AS now
 
--- name: task_states
-SELECT name, schedule, next_run_at, active, paused, trigger_requested_at
-FROM scheduler_plugin_tasks
+-- name: plugin_declare
+CREATE TEMP TABLE IF NOT EXISTS scheduler_declared (
+    name TEXT PRIMARY KEY, schedule TEXT, first TEXT, source TEXT,
+    change TEXT, was_runtime INTEGER);
+DELETE FROM temp.scheduler_declared;
+INSERT INTO temp.scheduler_declared (name, schedule, first, source, change, was_runtime)
+SELECT json_extract(i.value, '$.name'), json_extract(i.value, '$.schedule'),
+       json_extract(i.value, '$.first'), json_extract(i.value, '$.source'),
+       CASE WHEN t.name IS NULL THEN 'registered'
+            WHEN t.target IS NOT NULL THEN 'shadowed'
+            WHEN t.schedule <> json_extract(i.value, '$.schedule') THEN 'rescheduled'
+            WHEN NOT t.active OR t.source <> json_extract(i.value, '$.source') THEN 'activated'
+       END,
+       t.target IS NOT NULL
+FROM json_each(:tasks) AS i
+LEFT JOIN scheduler_plugin_tasks t ON t.name = json_extract(i.value, '$.name');
+INSERT INTO scheduler_plugin_tasks (name, schedule, next_run_at, source)
+SELECT name, schedule, first, source FROM temp.scheduler_declared WHERE change = 'registered'
+ON CONFLICT (name) DO NOTHING;
+UPDATE scheduler_plugin_tasks AS t
+SET schedule = d.schedule, source = d.source, active = 1, updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'),
+    next_run_at = CASE WHEN d.change = 'rescheduled' THEN d.first ELSE t.next_run_at END
+FROM temp.scheduler_declared AS d
+WHERE t.name = d.name AND d.change IN ('rescheduled', 'activated');
+SELECT change, name FROM temp.scheduler_declared WHERE change IS NOT NULL;
+UPDATE scheduler_plugin_tasks SET active = 0, updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
+WHERE active AND target IS NULL AND name NOT IN (SELECT name FROM temp.scheduler_declared)
+RETURNING 'retired' AS change, name;
 
--- name: task_insert
-INSERT INTO scheduler_plugin_tasks (name, schedule, next_run_at) VALUES (?1, ?2, ?3)
-ON CONFLICT (name) DO NOTHING
+-- name: plugin_runnable
+DELETE FROM scheduler_runnable_targets
+WHERE target NOT IN (SELECT value FROM json_each(:targets));
+INSERT INTO scheduler_runnable_targets (target)
+SELECT value FROM json_each(:targets) WHERE true
+ON CONFLICT (target) DO UPDATE SET updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now');
 
--- name: task_reschedule
-UPDATE scheduler_plugin_tasks
-SET schedule = ?2, next_run_at = ?3, active = 1,
-    updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
-WHERE name = ?1
-
--- name: task_activate
-UPDATE scheduler_plugin_tasks SET active = 1,
-    updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
-WHERE name = ?1 AND NOT active
-
--- name: tasks_deactivate_others
-UPDATE scheduler_plugin_tasks SET active = 0,
-    updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
-WHERE active AND name NOT IN (SELECT value FROM json_each(?1))
-
--- name: runs_abandon_all
+-- name: plugin_abandon
 UPDATE scheduler_plugin_runs
-SET status = 'abandoned', finished_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), error = ?1
-WHERE status = 'running' AND id NOT IN (SELECT value FROM json_each(?2))
+SET status = 'abandoned', finished_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), error = :reason
+WHERE status = 'running' AND id NOT IN (SELECT value FROM json_each(:keep))
 RETURNING name, slot, instance
 
--- name: slot_claim
+-- name: plugin_due
+WITH due AS (
+    SELECT name FROM (
+        SELECT name FROM scheduler_plugin_tasks
+        WHERE active AND NOT paused AND julianday(next_run_at) <= julianday('now')
+          AND name NOT IN (SELECT value FROM json_each(:busy))
+        ORDER BY julianday(next_run_at) LIMIT :limit)
+    UNION
+    SELECT name FROM (
+        SELECT name FROM scheduler_plugin_tasks
+        WHERE active AND NOT paused AND trigger_requested_at IS NOT NULL
+          AND name NOT IN (SELECT value FROM json_each(:busy))
+        ORDER BY julianday(trigger_requested_at) LIMIT :limit)
+)
+SELECT * FROM (
+    SELECT 'due' AS kind, strftime('%Y-%m-%dT%H:%M:%fZ', 'now') AS now, t.name, t.next_run_at, t.trigger_requested_at,
+           t.target, t.args, t.every_seconds, t.cron, t.timezone, t.timeout_seconds,
+           t.misfire, t.jitter_seconds
+    FROM due JOIN scheduler_plugin_tasks t USING (name)
+    ORDER BY min(julianday(t.next_run_at),
+                 coalesce(julianday(t.trigger_requested_at), julianday(t.next_run_at))),
+             t.name
+    LIMIT :limit)
+UNION ALL
+SELECT 'outlook', strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), NULL,
+       (SELECT next_run_at FROM scheduler_plugin_tasks
+        WHERE active AND NOT paused AND julianday(next_run_at) > julianday('now')
+        ORDER BY julianday(next_run_at) LIMIT 1),
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+
+-- name: plugin_claim
+UPDATE scheduler_plugin_tasks AS t
+SET next_run_at = json_extract(c.value, '$.next'),
+    trigger_requested_at = CASE
+        WHEN julianday(t.trigger_requested_at) = julianday(json_extract(c.value, '$.seen_trigger'))
+        THEN NULL ELSE t.trigger_requested_at END,
+    last_slot = coalesce(json_extract(c.value, '$.run_slot'), t.last_slot),
+    last_started_at = CASE WHEN json_extract(c.value, '$.run_slot') IS NULL
+                           THEN t.last_started_at ELSE strftime('%Y-%m-%dT%H:%M:%fZ', 'now') END,
+    last_status = CASE WHEN json_extract(c.value, '$.run_slot') IS NULL
+                       THEN t.last_status ELSE 'running' END,
+    run_count = t.run_count + (json_extract(c.value, '$.run_slot') IS NOT NULL),
+    updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
+FROM json_each(:claims) AS c
+WHERE t.name = json_extract(c.value, '$.name')
+  AND julianday(t.next_run_at) = julianday(json_extract(c.value, '$.seen_next'));
 INSERT INTO scheduler_plugin_runs (name, slot, instance, status, finished_at)
-VALUES (?1, ?2, ?3, ?4,
-        CASE WHEN ?4 = 'running' THEN NULL ELSE strftime('%Y-%m-%dT%H:%M:%fZ', 'now') END)
-ON CONFLICT (name, slot) DO NOTHING
-RETURNING id
+SELECT name, slot, :instance, status, CASE WHEN status = 'running' THEN NULL ELSE strftime('%Y-%m-%dT%H:%M:%fZ', 'now') END
+FROM (SELECT json_extract(c.value, '$.name') AS name,
+             json_extract(c.value, '$.run_slot') AS slot, 'running' AS status
+      FROM json_each(:claims) AS c WHERE json_extract(c.value, '$.run_slot') IS NOT NULL
+      UNION ALL
+      SELECT json_extract(c.value, '$.name'), json_extract(c.value, '$.skip_slot'),
+             'skipped_overlap'
+      FROM json_each(:claims) AS c WHERE json_extract(c.value, '$.skip_slot') IS NOT NULL)
+WHERE true
+ON CONFLICT DO NOTHING
+RETURNING id, name, slot, status;
 
--- name: task_advance
-UPDATE scheduler_plugin_tasks SET next_run_at = ?3,
+-- name: plugin_refuse
+UPDATE scheduler_plugin_tasks AS t
+SET paused = 1, last_status = 'failed', last_error = json_extract(r.value, '$.error'),
     updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
-WHERE name = ?1 AND julianday(next_run_at) = julianday(?2)
+FROM json_each(:refused) AS r
+WHERE t.name = json_extract(r.value, '$.name')
 RETURNING name
 
--- name: trigger_consume
-UPDATE scheduler_plugin_tasks SET trigger_requested_at = NULL,
+-- name: plugin_finish
+CREATE TEMP TABLE IF NOT EXISTS scheduler_finished (
+    id INTEGER PRIMARY KEY, name TEXT, status TEXT, error TEXT, finished_at TEXT);
+DELETE FROM temp.scheduler_finished;
+INSERT INTO temp.scheduler_finished (id, name, status, error, finished_at)
+SELECT p.id, p.name, json_extract(r.value, '$.status'), json_extract(r.value, '$.error'),
+       json_extract(r.value, '$.finished_at')
+FROM json_each(:results) AS r
+JOIN scheduler_plugin_runs p ON p.id = json_extract(r.value, '$.id') AND p.status = 'running';
+UPDATE scheduler_plugin_runs AS p
+SET status = f.status, error = f.error, finished_at = f.finished_at
+FROM temp.scheduler_finished AS f WHERE p.id = f.id;
+UPDATE scheduler_plugin_tasks AS t
+SET last_finished_at = f.finished_at, last_status = f.status, last_error = f.error,
+    consecutive_failures = CASE WHEN f.status = 'succeeded' THEN 0
+                                ELSE t.consecutive_failures + 1 END,
+    paused = t.paused OR (f.status <> 'succeeded'
+                          AND t.consecutive_failures + 1 >= :max_failures),
     updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
-WHERE name = ?1 AND julianday(trigger_requested_at) = julianday(?2)
-RETURNING name
+FROM temp.scheduler_finished AS f
+WHERE t.name = f.name
+RETURNING name, consecutive_failures, paused, run_count;
 
--- name: task_started
-UPDATE scheduler_plugin_tasks
-SET last_slot = ?2, last_started_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'),
-    last_status = 'running', run_count = run_count + 1,
-    updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
-WHERE name = ?1
-
--- name: run_finish
-UPDATE scheduler_plugin_runs
-SET status = ?2, error = ?3, finished_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
-WHERE id = ?1 AND status = 'running'
-RETURNING id
-
--- name: task_finished
-UPDATE scheduler_plugin_tasks
-SET last_finished_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), last_status = ?2,
-    last_error = ?3,
-    consecutive_failures = CASE WHEN ?2 = 'succeeded' THEN 0 ELSE consecutive_failures + 1 END,
-    paused = paused OR (?2 <> 'succeeded' AND consecutive_failures + 1 >= ?4),
-    updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
-WHERE name = ?1
-RETURNING consecutive_failures, paused
-
--- name: runs_trim
+-- name: plugin_trim
 DELETE FROM scheduler_plugin_runs
-WHERE name = ?1 AND status <> 'running'
-  AND id <= (SELECT id FROM scheduler_plugin_runs WHERE name = ?1
-             ORDER BY id DESC LIMIT 1 OFFSET ?2)
+WHERE status <> 'running' AND name IN (SELECT value FROM json_each(:names))
+  AND slot <= (SELECT r.slot FROM scheduler_plugin_runs r
+               WHERE r.name = scheduler_plugin_runs.name
+               ORDER BY r.slot DESC LIMIT 1 OFFSET :keep)
 
 -- name: purge_publications
 DELETE FROM scheduler_publications

@@ -1,23 +1,33 @@
-"""The plugin loop: run each task's due slot once, cluster-wide, by one replica at a time.
+"""The plugin loop: run each schedule's due slot once, cluster-wide, by one replica at a time.
 
-Per tick, in one fenced transaction: read the tasks' state (due-ness comes from
-``next_run_at`` in the database, judged by the database's clock), and for each due task
-advance ``next_run_at`` by compare-and-set and claim the slot by inserting
-``(name, slot)`` into ``scheduler_plugin_runs``, whose unique constraint is the guarantee:
-even two overlapping leaders cannot run one slot twice. The runs start after that
-transaction commits, up to ``plugin.concurrency`` at once, as work of the leadership:
-inside a *hold* on the lock (``lease.hold_after``), which in session mode and on SQLite is
-the lease itself and in transaction mode a transaction that takes the lock over from the
-tick and keeps it until the runs have ended. So no run ever executes without this replica
-holding the loop's lock, and losing it stops every run — async targets are cancelled,
-sync targets run in worker processes and are killed — before the lock can go to anyone.
+Schedules are rows of ``scheduler_plugin_tasks``: the deployment's declared tasks (config,
+plugins, built-ins), whose code this replica knows, and runtime schedules the application
+added, each naming a target the deployment declared runnable, with its own ``args``.
+
+A tick costs O(due), never O(schedules): in one fenced transaction (db/plugin_store.py)
+it reads the due schedules from the ``next_run_at`` index, oldest slot first and at most
+as many as it has free places (so however far behind the leader is, every schedule
+progresses and none starves), with the database's now and the next slot to come; then
+one statement claims the whole batch: each schedule's ``next_run_at`` advanced by
+compare-and-set on the value read, and its ``(name, slot)`` run inserted. The unique
+``(name, slot)`` and the one-running-run-per-schedule index are the guarantee: even two
+overlapping leaders cannot run one slot twice, nor two runs of one schedule at once.
+
+The runs start after that transaction commits, as work of the leadership: inside a
+*hold* on the lock (``lease.hold_after``), which in session mode and on SQLite is the lease
+itself and in transaction mode a transaction that takes the lock over from the tick and
+keeps it until the runs have ended. So no run executes without this replica holding the
+loop's lock, and losing it stops every run (async targets are cancelled, sync targets run
+in worker processes and are killed) before the lock can go to anyone. Results are written
+in batches, by the batch that ran them: every ``RESULT_FLUSH_INTERVAL`` while runs remain,
+at once when ``RESULT_FLUSH_SIZE`` are waiting, and when the last one ends. A schedule
+whose last result is not written yet is not claimed again until it is.
 
 Timing: the tick returns how long until the earliest next slot (database clock), and the
 leader sleeps until then. On PostgreSQL in session mode it is woken sooner by a NOTIFY
-from a trigger on the tasks table when a task is triggered, resumed or moved earlier
-(``tasks trigger``, ``tasks resume``, plain SQL), so an idle leader ticks only every
-``LISTENING_MAX_SLEEP``; otherwise (SQLite, transaction mode, no LISTEN) it looks every
-``plugin.interval``.
+from triggers on the tasks table when a schedule is added, triggered, resumed or moved
+earlier, so an idle leader ticks only every ``LISTENING_MAX_SLEEP``; otherwise (SQLite,
+transaction mode, no LISTEN) it looks every ``plugin.interval``.
 
 Runs of a leader that lost its lock can never record a result. Whoever next holds the
 lock while none of its own runs is in flight (a sticky leader when it takes over; in
@@ -30,23 +40,29 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
-from ..aio import unless_set
 from ..config import Settings
-from ..db.base import Tx
+from ..db.plugin_store import (
+    Claim,
+    Declaration,
+    DueBatch,
+    DueSchedule,
+    PluginStore,
+    RunResult,
+)
 from ..errors import describe
 from ..leadership import Lease, PendingHold
 from ..logs import Logger
 from ..metrics import Metrics
 from ..plugins.context import TaskContext
-from ..plugins.schedule import Plan, plan
-from ..plugins.tasks import TaskSpec
+from ..plugins.schedule import plan
+from ..plugins.tasks import Target, TaskSpec, runtime_spec
 from ..plugins.worker import WorkerFailed, WorkerJob, Workers
 from .base import LISTENING_MAX_SLEEP, Tick
 
@@ -54,16 +70,58 @@ if TYPE_CHECKING:
     from ..db.listen import Listener
 
 ABANDONED = "abandoned: the replica running it lost the lock before it finished"
-# Sent by the scheduler_plugin_tasks trigger (migration 0004) when a task becomes due
-# sooner than its leader may have planned.
+# Sent by the scheduler_plugin_tasks triggers (migrations 0004, 0006) when a schedule
+# becomes due sooner than its leader may have planned.
 WAKE_CHANNEL = "scheduler_plugin_tasks_changed"
+# Results of one batch wait at most this long to be written, or for this many to gather.
+RESULT_FLUSH_INTERVAL = 0.05
+RESULT_FLUSH_SIZE = 500
+# A result that cannot be written is tried this many times (the lease still valid: a
+# database error, not a lost lock) before its run is left to be abandoned.
+RESULT_ATTEMPTS = 3
+# Per-schedule misfire lines in one tick, past which one summary line says the rest.
+MISFIRE_LINES = 10
+# How often the lagging warning may repeat while the loop stays behind.
+LAG_WARNING_EVERY = 10.0
 
 
 @dataclass(frozen=True, slots=True)
-class Claim:
+class Start:
+    """A claimed run, to start once the claim has committed."""
+
     spec: TaskSpec
     slot: datetime
     run_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Clock:
+    """The database's clock at a tick's read, against ours: a run's end, measured here, is
+    recorded on the database's clock without waiting for a statement to stamp it."""
+
+    db_now: datetime
+    local: float
+
+    def now(self) -> datetime:
+        return self.db_now + timedelta(seconds=time.monotonic() - self.local)
+
+
+@dataclass(slots=True)
+class TickPlan:
+    claims: list[Claim] = field(default_factory=list)
+    specs: dict[str, TaskSpec] = field(default_factory=dict)  # by name, for what runs
+    refused: dict[str, str] = field(default_factory=dict)  # name -> why it cannot run
+    misfired: list[tuple[str, datetime, datetime]] = field(default_factory=list)
+    waiting: bool = False  # something due waits for a free place or a run's end
+    unknown: bool = False  # a declared task another deployment declares: not ours
+
+
+def _storable(text: str | None) -> str | None:
+    """Error text as PostgreSQL text and JSON can hold it (no NUL, no lone surrogate):
+    one target's odd message must not keep its batch's results from being written."""
+    if text is None:
+        return None
+    return text.replace("\x00", "\\0").encode("utf-8", "replace").decode("utf-8")
 
 
 class PluginWork:
@@ -72,27 +130,39 @@ class PluginWork:
     def __init__(
         self,
         tasks: list[TaskSpec],
+        runnable: Mapping[str, Target],
         settings: Settings,
         metrics: Metrics,
         workers: Workers | None,
         sticky: bool,
         listener: Listener | None = None,
     ) -> None:
-        self.tasks = {spec.name: spec for spec in tasks}
+        self.tasks = {spec.name: spec for spec in tasks}  # declared by the deployment
+        self.runnable = dict(runnable)  # what runtime schedules may name
         self.settings = settings
         self.metrics = metrics
-        self.workers = workers  # runs sync targets; None when no task has one
+        self.workers = workers  # runs sync targets; None when no target is sync
         self.sticky = sticky  # a lease lasts until lost (session mode, SQLite)
         self.listener = listener  # PostgreSQL, session mode
-        # In-flight runs by task name (a claimed run counts from its claim on).
+        # Executing runs by schedule name (a claimed run counts from its claim on).
         self.running: dict[str, asyncio.Task[Any]] = {}
+        self._sync_running: set[str] = set()  # of those, sync targets (worker processes)
+        # Schedules whose last run ended and whose result is not written yet: not claimed
+        # again until it is (the database still has that run `running`).
+        self.unrecorded: set[str] = set()
         # One task per tick that claimed runs, with their rows in scheduler_plugin_runs.
         self._batches: dict[asyncio.Task[None], list[int]] = {}
         self.wake: Callable[[], None] = lambda: None  # the runner sets its own
         self._lease: Lease | None = None
+        self._runtime: dict[tuple[str, Any], TaskSpec] = {}  # built from rows, reused
+        self._sweep = False  # results were dropped: abandon their runs next tick
+        self._written: set[int] = set()  # run ids whose results are written (per batch)
+        self._lag_warned = 0.0
+
+    # -- the tick ------------------------------------------------------------------------
 
     async def tick(self, tick: Tick) -> float | None:
-        claims: list[Claim] = []
+        starts: list[Start] = []
         hold: PendingHold | None = None
         if self.listener is not None:
             # Before the read below, so that no change after it goes unheard.
@@ -102,21 +172,34 @@ class PluginWork:
                 await self.listener.ensure()
         try:
             async with tick.lease.transaction() as tx:
-                now: datetime = (await tx.fetch("now"))[0]["now"]
+                store = PluginStore(tx)
                 taking_over = self._lease is not tick.lease
                 if taking_over:
-                    await self._take_over(tx, now, tick.log)
+                    await self._take_over(store, tick.log)
                 # Whoever holds the lock knows that nothing executes the runs still marked
                 # `running` (runs execute under the lock): a sticky leader when it takes
                 # over, in transaction mode every tick that wins. (Had their replica lost
                 # its hold to the server and still be stopping them, the guard waited for
                 # it before this tick: see the guards' settle.)
-                if taking_over or not self.sticky:
-                    await self._abandon(tx, tick.log)
-                states = await tx.fetch("task_states")
-                claims = await self._claims(tx, states, now, tick.log)
-                wake = self._next_wake(states, now, len(claims))
-                if claims:
+                if taking_over or not self.sticky or self._sweep:
+                    self._sweep = False
+                    await self._abandon(store, tick.log)
+                limit = self._free() + len(self.running)
+                batch = await store.due(limit=max(limit, 1), busy=self.unrecorded)
+                clock = Clock(batch.now, time.monotonic())
+                plan_ = self._plan(batch)
+                if plan_.unknown:
+                    await self._declare(store, tick.log)
+                if plan_.refused:
+                    await store.refuse(plan_.refused)
+                    for name, reason in plan_.refused.items():
+                        tick.log.error("task.refused", task=name, error=reason)
+                if plan_.claims:
+                    claimed = await store.claim(self.settings.instance_id, plan_.claims)
+                    starts = self._starts(plan_, claimed, tick.log)
+                self._report(batch, plan_, tick.log)
+                wake = self._next_wake(batch, plan_, limit)
+                if starts:
                     hold = await tick.lease.hold_after(tx)
         except BaseException:
             if hold is not None:
@@ -124,23 +207,152 @@ class PluginWork:
             raise
         self._lease = tick.lease  # committed: reconciled, and its predecessors' runs closed
         if hold is not None:
-            self._start_batch(tick.lease, hold, claims, tick.log)
+            self._start_batch(tick.lease, hold, starts, clock, tick.log)
         return wake
 
-    async def _claims(
-        self, tx: Tx, rows: list[dict[str, Any]], now: datetime, log: Logger
-    ) -> list[Claim]:
-        """Claim what is due, updating ``rows`` (the tick's one read of the tasks' state)
-        to what this transaction wrote, so the next wake-up is planned from them. A
-        change another client commits meanwhile (a trigger) notifies: the next tick."""
-        claims: list[Claim] = []
-        states = {row["name"]: row for row in rows}
-        for spec in self.tasks.values():
-            state = states.get(spec.name)
-            if state is None or not state["active"] or state["paused"]:
+    def _free(self) -> int:
+        return self.settings.plugin.concurrency - len(self.running)
+
+    def _spec(self, due: DueSchedule) -> TaskSpec | str | None:
+        """The task a due row stands for; a reason (str) when it cannot be run here; None
+        for a declared task this deployment does not declare."""
+        if due.runtime is None:
+            return self.tasks.get(due.name)
+        key = (due.name, due.runtime)
+        spec = self._runtime.get(key)
+        if spec is None:
+            try:
+                spec = runtime_spec(due.name, due.runtime, self.runnable)
+            except ValueError as exc:
+                return str(exc)
+            if len(self._runtime) > 4 * max(self.settings.plugin.concurrency, 10_000):
+                self._runtime.clear()  # definitions change; never grow without bound
+            self._runtime[key] = spec
+        return spec
+
+    def _plan(self, batch: DueBatch) -> TickPlan:
+        """What to claim of what is due. One run per schedule per claim, never one of a
+        schedule whose previous run is still executing (that slot is skipped, as
+        overlapping); a schedule that finds no free place stays due, oldest first."""
+        result = TickPlan()
+        now = batch.now
+        free = self._free()
+        sync_free = self.settings.plugin.sync_concurrency - len(self._sync_running)
+        for due in batch.due:
+            spec = self._spec(due)
+            if spec is None:
+                result.unknown = True
                 continue
-            claims += await self._due_claims(tx, spec, state, now, len(claims), log)
-        return claims
+            if isinstance(spec, str):
+                result.refused[due.name] = spec
+                continue
+            busy = due.name in self.running
+            is_sync = spec.target is not None and not spec.is_async
+            if not busy and (free <= 0 or (is_sync and sync_free <= 0)):
+                result.waiting = True  # stays due until a place frees
+                continue
+            slots: list[datetime] = []
+            next_run_at = due.next_run_at
+            if due.next_run_at <= now:
+                step = plan(spec.schedule, due.next_run_at, now, spec.misfire)
+                next_run_at = step.next_run_at
+                if step.missed:
+                    result.misfired.append((due.name, due.next_run_at, next_run_at))
+                if step.run:
+                    slots.append(due.next_run_at)
+            trigger = due.trigger_requested_at
+            if busy:
+                # Its slot overlaps the run in flight: skipped. A trigger waits for the
+                # run to end (its end wakes the loop).
+                claim = Claim(
+                    due.name, due.next_run_at, next_run_at, skip_slot=slots[0] if slots else None
+                )
+                if next_run_at != due.next_run_at or claim.skip_slot is not None:
+                    result.claims.append(claim)
+                if trigger is not None:
+                    result.waiting = True
+                continue
+            if trigger is not None:
+                slots.append(trigger)  # a manual run is a slot like any other
+            run_slot = slots[0] if slots else None
+            # A trigger and a due slot found together: one runs, the other would overlap it.
+            skip_slot = slots[1] if len(slots) > 1 else None
+            result.claims.append(
+                Claim(
+                    due.name,
+                    seen_next=due.next_run_at,
+                    next_run_at=next_run_at,
+                    seen_trigger=trigger,
+                    run_slot=run_slot,
+                    skip_slot=skip_slot,
+                )
+            )
+            if run_slot is not None:
+                result.specs[due.name] = spec
+                free -= 1
+                sync_free -= is_sync
+        return result
+
+    def _starts(self, plan_: TickPlan, claimed: list[Any], log: Logger) -> list[Start]:
+        starts: list[Start] = []
+        got = {(run.name, run.slot): run for run in claimed}
+        for claim in plan_.claims:
+            label = self._label(claim.name, plan_.specs.get(claim.name))
+            if claim.skip_slot is not None and (claim.name, claim.skip_slot) in got:
+                self.metrics.plugin_runs.labels(label, "skipped_overlap").inc()
+                log.warning(
+                    "task.skipped_overlap", task=claim.name, slot=claim.skip_slot.isoformat()
+                )
+            if claim.run_slot is None:
+                continue
+            run = got.get((claim.name, claim.run_slot))
+            if run is None:
+                # Its next_run_at moved since the read (a change wins: looked at again next
+                # tick), or the slot was taken: nothing runs.
+                log.info("task.slot_taken", task=claim.name, slot=claim.run_slot.isoformat())
+                continue
+            starts.append(Start(plan_.specs[claim.name], claim.run_slot, run.id))
+        return starts
+
+    def _report(self, batch: DueBatch, plan_: TickPlan, log: Logger) -> None:
+        oldest = batch.oldest_due
+        lag = 0.0 if oldest is None else max(0.0, (batch.now - oldest).total_seconds())
+        self.metrics.plugin_lag.set(lag)
+        if plan_.misfired:
+            self.metrics.plugin_misfires.inc(len(plan_.misfired))
+            by_name = {name: spec.misfire for name, spec in self.tasks.items()}
+            for name, slot, following in plan_.misfired[:MISFIRE_LINES]:
+                log.warning(
+                    "task.misfired", task=name, slot=slot.isoformat(),
+                    policy=by_name.get(name, "runtime"), next_run_at=following.isoformat(),
+                )  # fmt: skip
+            if len(plan_.misfired) > MISFIRE_LINES:
+                log.warning(
+                    "plugin.misfired", schedules=len(plan_.misfired),
+                    logged=MISFIRE_LINES, oldest_slot=min(s for _, s, _ in plan_.misfired).isoformat(),
+                )  # fmt: skip
+        behind = plan_.waiting and lag > max(1.0, self.settings.plugin.interval)
+        if behind and time.monotonic() - self._lag_warned > LAG_WARNING_EVERY:
+            self._lag_warned = time.monotonic()
+            log.warning(
+                "plugin.lagging", lag=round(lag, 3), concurrency=self.settings.plugin.concurrency,
+                hint="due schedules wait for a free place: raise plugin.concurrency, or "
+                "shorten the runs",
+            )  # fmt: skip
+
+    def _next_wake(self, batch: DueBatch, plan_: TickPlan, limit: int) -> float | None:
+        if len(batch.due) >= max(limit, 1) and self._free() - len(plan_.specs) > 0:
+            return 0.0  # more may be due than this tick read, and places are left
+        if plan_.waiting or len(batch.due) >= max(limit, 1):
+            # What is due waits for a place: the next to free (a run that ends, a result
+            # written) wakes the loop.
+            return None
+        upcoming = [claim.next_run_at for claim in plan_.claims]
+        if batch.next_slot is not None:
+            upcoming.append(batch.next_slot)
+        if not upcoming:
+            return None
+        return max(0.0, (min(upcoming) - batch.now).total_seconds())
 
     def max_sleep(self) -> float:
         if self.listener is not None and self.listener.listening:
@@ -161,172 +373,205 @@ class PluginWork:
         if graceful and self._batches:
             await asyncio.wait(list(self._batches))
 
-    async def _take_over(self, tx: Tx, now: datetime, log: Logger) -> None:
-        """First tick of a leadership: bring task rows in line with the configuration,
-        keeping every known task's next_run_at (a restart must not reschedule)."""
-        existing = {row["name"]: row for row in await tx.fetch("task_states")}
-        for spec in self.tasks.values():
-            schedule = spec.schedule.describe()
-            row = existing.get(spec.name)
-            if row is None:
-                await tx.fetch("task_insert", spec.name, schedule, spec.schedule.first(now))
-                log.info("task.registered", task=spec.name, schedule=schedule, source=spec.source)
-            elif row["schedule"] != schedule:
-                await tx.fetch("task_reschedule", spec.name, schedule, spec.schedule.first(now))
-                log.info("task.rescheduled", task=spec.name, schedule=schedule)
-            elif not row["active"]:
-                await tx.fetch("task_activate", spec.name)
-        await tx.fetch("tasks_deactivate_others", list(self.tasks))
+    # -- a leadership's first tick ----------------------------------------------------------
 
-    async def _abandon(self, tx: Tx, log: Logger) -> None:
+    async def _take_over(self, store: PluginStore, log: Logger) -> None:
+        """Bring declared tasks' rows in line with this deployment, keeping every known
+        task's next_run_at (a restart must not reschedule), and publish what runtime
+        schedules may name."""
+        await self._declare(store, log)
+        await store.publish_runnable(self.runnable)
+
+    async def _declare(self, store: PluginStore, log: Logger) -> None:
+        now = await store.now()
+        declared = [
+            Declaration(spec.name, spec.schedule.describe(), spec.schedule.first(now), spec.source)
+            for spec in self.tasks.values()
+        ]
+        sources = {spec.name: spec.source for spec in self.tasks.values()}
+        for change in await store.declare(declared):
+            if change.change == "registered":
+                log.info("task.registered", task=change.name, source=sources.get(change.name))
+            elif change.change == "rescheduled":
+                log.info("task.rescheduled", task=change.name)
+            elif change.change == "shadowed":
+                log.error(
+                    "task.shadowed", task=change.name,
+                    hint="a runtime schedule has this declared task's name: the runtime "
+                    "schedule runs; remove it or rename the task",
+                )  # fmt: skip
+
+    async def _abandon(self, store: PluginStore, log: Logger) -> None:
         ours = sorted(run_id for run_ids in self._batches.values() for run_id in run_ids)
-        rows = await tx.fetch("runs_abandon_all", ABANDONED, ours)
-        for row in rows:
-            self.metrics.plugin_runs.labels(row["name"], "abandoned").inc()
+        for run in await store.abandon(ABANDONED, ours):
+            self.metrics.plugin_runs.labels(self._label(run.name, None), "abandoned").inc()
             log.warning(
-                "task.abandoned", task=row["name"], slot=row["slot"].isoformat(),
-                run_instance=row["instance"],  # `instance` names the logger
+                "task.abandoned", task=run.name, slot=run.slot.isoformat(),
+                run_instance=run.instance,  # `instance` names the logger
             )  # fmt: skip
 
-    async def _due_claims(
-        self,
-        tx: Tx,
-        spec: TaskSpec,
-        state: dict[str, Any],
-        now: datetime,
-        claimed_so_far: int,
-        log: Logger,
-    ) -> list[Claim]:
-        claims: list[Claim] = []
-        slots: list[datetime] = []
-        if self._capacity_left(claimed_so_far) <= 0:
-            return claims  # stays due (and triggered); picked up when a place frees
-        triggered = state["trigger_requested_at"]
-        if triggered is not None and await tx.fetch("trigger_consume", spec.name, triggered):
-            slots.append(triggered)  # a manual run is a slot like any other
-            state["trigger_requested_at"] = None
-        next_run_at: datetime = state["next_run_at"]
-        step: Plan | None = None  # not due, or no place: stays due until a place frees
-        if next_run_at <= now and self._capacity_left(claimed_so_far + len(slots)) > 0:
-            step = plan(spec.schedule, next_run_at, now, spec.misfire)
-            if await tx.fetch("task_advance", spec.name, next_run_at, step.next_run_at):
-                state["next_run_at"] = step.next_run_at
-            else:
-                step = None  # someone else moved it: their decision stands (look again)
-        if step is not None:
-            if step.missed:
-                log.warning(
-                    "task.misfired", task=spec.name, slot=next_run_at.isoformat(),
-                    policy=spec.misfire, next_run_at=step.next_run_at.isoformat(),
-                )  # fmt: skip
-            if step.run:
-                slots.append(next_run_at)
-        for slot in slots:
-            # A task runs one slot at a time: a second slot claimed in this same tick (a
-            # trigger and a due slot together) would overlap the first.
-            busy = claimed_so_far + len(claims)
-            claim = await self._claim(tx, spec, slot, busy, log, overlaps=bool(claims))
-            if claim is not None:
-                claims.append(claim)
-        return claims
+    def _label(self, name: str, spec: TaskSpec | None) -> str:
+        """The ``task`` label of a run's metrics: a declared task's name, a runtime
+        schedule's target (thousands of schedules must not make thousands of series)."""
+        if name in self.tasks:
+            return name
+        if spec is not None and spec.target_path is not None:
+            return spec.target_path
+        return "runtime"
 
-    async def _claim(
-        self,
-        tx: Tx,
-        spec: TaskSpec,
-        slot: datetime,
-        busy: int,
-        log: Logger,
-        overlaps: bool = False,
-    ) -> Claim | None:
-        instance = self.settings.instance_id
-        # Only our own runs can be in flight: takeover abandoned everyone else's.
-        if overlaps or spec.name in self.running or self._capacity_left(busy) <= 0:
-            await tx.fetch("slot_claim", spec.name, slot, instance, "skipped_overlap")
-            self.metrics.plugin_runs.labels(spec.name, "skipped_overlap").inc()
-            log.warning("task.skipped_overlap", task=spec.name, slot=slot.isoformat())
-            return None
-        rows = await tx.fetch("slot_claim", spec.name, slot, instance, "running")
-        if not rows:
-            log.info("task.slot_taken", task=spec.name, slot=slot.isoformat())
-            return None
-        await tx.fetch("task_started", spec.name, slot)
-        return Claim(spec, slot, rows[0]["id"])
-
-    def _capacity_left(self, claimed: int) -> int:
-        return self.settings.plugin.concurrency - len(self.running) - claimed
-
-    def _next_wake(self, states: list[dict[str, Any]], now: datetime, claimed: int) -> float | None:
-        live = [
-            row
-            for row in states
-            if row["name"] in self.tasks and row["active"] and not row["paused"]
-        ]
-        upcoming = [row["next_run_at"] for row in live]
-        # A trigger this tick could not take (no free place) waits for a place, not for
-        # a spinning loop; one on a paused task waits for `tasks resume`.
-        if self._capacity_left(claimed) > 0 and any(row["trigger_requested_at"] for row in live):
-            return 0.0
-        if not upcoming or self._capacity_left(claimed) <= 0:
-            # Every place is taken: what is due waits for a run to finish, which wakes the
-            # loop (see _finished), not for a spinning tick.
-            return None
-        earliest: datetime = min(upcoming)
-        return max(0.0, (earliest - now).total_seconds())
+    # -- running a batch ------------------------------------------------------------------
 
     def _start_batch(
-        self,
-        lease: Lease,
-        hold: PendingHold,
-        claims: list[Claim],
-        log: Logger,
+        self, lease: Lease, hold: PendingHold, starts: list[Start], clock: Clock, log: Logger
     ) -> None:
-        batch = lease.spawn(self._run_batch(hold, claims, log), name="plugin:batch")
-        self._batches[batch] = [claim.run_id for claim in claims]
+        batch = lease.spawn(self._run_batch(hold, starts, clock, log), name="plugin:batch")
+        self._batches[batch] = [start.run_id for start in starts]
         batch.add_done_callback(self._batches.pop)
-        for claim in claims:  # its places are taken from now on
-            self._track(claim.spec.name, batch)
+        for start in starts:  # its places are taken from now on
+            self._track(start.spec, batch)
 
-    async def _run_batch(self, pending: PendingHold, claims: list[Claim], log: Logger) -> None:
-        """Hold the lock for one tick's runs until every one of them has ended (or the
-        hold is lost: then its exit stops them, within stop_grace, before it lets go)."""
+    async def _run_batch(
+        self, pending: PendingHold, starts: list[Start], clock: Clock, log: Logger
+    ) -> None:
+        """Hold the lock for one tick's runs until every one of them has ended and its
+        result is written (or the hold is lost: then its exit stops them, within
+        stop_grace, before it lets go)."""
         entered = False
+        runs: dict[asyncio.Task[RunResult], Start] = {}
         try:
             async with pending as hold:
                 entered = True
-                runs = []
-                for claim in claims:
-                    run = hold.spawn(self._run(claim, hold, log), name=f"task:{claim.spec.name}")
-                    self._track(claim.spec.name, run)
-                    runs.append(run)
-                await unless_set(asyncio.wait(runs), hold.lost)
+                for start in starts:
+                    run = hold.spawn(
+                        self._run(start, hold, clock, log), name=f"task:{start.spec.name}"
+                    )
+                    self._track(start.spec, run)
+                    runs[run] = start
+                await self._collect(hold, runs, log)
         except Exception as exc:  # lost before or while committing: the runs stay `running`
             log.warning("plugin.hold_failed", error=describe(exc))
         finally:
             if not entered:
                 await pending.discard()  # cancelled before it began: never leave it queued
+            # A result not written stays `running` for a holder of the lock to abandon;
+            # its schedule may be claimed again (it cannot have been meanwhile).
+            for run, start in runs.items():
+                if run.done() and not run.cancelled() and start.run_id not in self._written:
+                    self.unrecorded.discard(start.spec.name)
+                self._written.discard(start.run_id)
+            self.wake()
 
-    def _track(self, name: str, task: asyncio.Task[Any]) -> None:
+    async def _collect(
+        self, hold: Lease, runs: dict[asyncio.Task[RunResult], Start], log: Logger
+    ) -> None:
+        """Write the runs' results as they end: every RESULT_FLUSH_INTERVAL while some
+        still run, at once when RESULT_FLUSH_SIZE wait, and the rest when the last ends."""
+        pending: set[asyncio.Future[Any]] = set(runs)
+        buffered: list[RunResult] = []
+        oldest = 0.0
+        lost = asyncio.ensure_future(hold.lost.wait())
+        attempts = 0
+        try:
+            while pending or buffered:
+                timeout = None
+                if buffered:
+                    timeout = max(0.0, oldest + RESULT_FLUSH_INTERVAL - time.monotonic())
+                if pending:
+                    done, pending = await asyncio.wait(
+                        pending | {lost}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    pending.discard(lost)
+                    if lost.done():
+                        return  # the hold's exit stops the runs
+                    for run in done:
+                        if run is lost or run.cancelled():
+                            continue
+                        if (error := run.exception()) is not None:  # a bug of ours: say so
+                            log.error("task.run_crashed", error=describe(error))
+                            self._sweep = True
+                            continue
+                        if not buffered:
+                            oldest = time.monotonic()
+                        buffered.append(cast(RunResult, run.result()))
+                due = time.monotonic() - oldest >= RESULT_FLUSH_INTERVAL
+                if buffered and (not pending or due or len(buffered) >= RESULT_FLUSH_SIZE):
+                    try:
+                        await self._record(hold, buffered, log)
+                    except Exception as exc:
+                        attempts += 1
+                        if hold.lost.is_set() or attempts >= RESULT_ATTEMPTS:
+                            self._drop(buffered, exc, log)
+                            buffered = []
+                            attempts = 0
+                        else:
+                            log.warning("task.results_retry", error=describe(exc))
+                            await asyncio.sleep(RESULT_FLUSH_INTERVAL * attempts)
+                        continue
+                    for result in buffered:
+                        self.unrecorded.discard(result.name)
+                        self._written.add(result.id)
+                    buffered = []
+                    attempts = 0
+                    self.wake()  # their schedules may be due again
+        finally:
+            lost.cancel()
+
+    def _drop(self, results: list[RunResult], exc: Exception, log: Logger) -> None:
+        # Lost leadership or database trouble: the runs stay `running` until a holder of
+        # the lock marks them abandoned (this one too, if it still leads). Never retried
+        # as runs: a slot runs at most once.
+        self._sweep = True
+        for result in results:
+            log.warning(
+                "task.result_not_recorded", task=result.name, status=result.status,
+                error=describe(exc),
+            )  # fmt: skip
+
+    async def _record(self, hold: Lease, results: list[RunResult], log: Logger) -> None:
+        limit = self.settings.plugin.max_consecutive_failures
+        # Trimmed every so many runs per schedule, never per run: history stays between
+        # `history` and `history` + that many rows.
+        keep = self.settings.plugin.history
+        every = max(1, min(100, keep))
+        async with hold.transaction() as tx:
+            store = PluginStore(tx)
+            finished = await store.finish(results, limit)
+            trim = [f.name for f in finished if f.run_count % every == 0]
+            if trim:
+                await store.trim(trim, keep)
+        for schedule in finished:
+            if schedule.paused and schedule.consecutive_failures == limit:
+                log.error(
+                    "task.auto_paused", task=schedule.name, failures=limit,
+                    hint=f"scheduler-daemon tasks resume {schedule.name}",
+                )  # fmt: skip
+
+    def _track(self, spec: TaskSpec, task: asyncio.Task[Any]) -> None:
+        name = spec.name
         self.running[name] = task
+        if spec.target is not None and not spec.is_async:
+            self._sync_running.add(name)
         task.add_done_callback(lambda _: self._untrack(name, task))
 
-    def _untrack(self, name: str, task: asyncio.Task[Any] | None) -> None:
+    def _untrack(self, name: str, task: asyncio.Task[Any]) -> None:
         if self.running.get(name) is task:
             del self.running[name]
+            self._sync_running.discard(name)
             self.wake()  # a place is free: something due may be waiting for it
 
-    async def _run(self, claim: Claim, hold: Lease, log: Logger) -> None:
-        spec = claim.spec
-        run_log = log.bind(task=spec.name, slot=claim.slot.isoformat())
+    async def _run(self, start: Start, hold: Lease, clock: Clock, log: Logger) -> RunResult:
+        spec = start.spec
+        run_log = log.bind(task=spec.name, slot=start.slot.isoformat())
         ctx = TaskContext(
             name=spec.name,
-            slot=claim.slot,
+            slot=start.slot,
             instance=self.settings.instance_id,
             log=run_log,
             fencing_token=hold.fencing_token,
+            args=spec.args,
             lease=hold,
         )
-        run_log.info("task.started", run_id=claim.run_id, fencing_token=hold.fencing_token)
+        run_log.info("task.started", run_id=start.run_id, fencing_token=hold.fencing_token)
         started = time.monotonic()
         status, error = "succeeded", None
         deadline = asyncio.timeout(spec.timeout)
@@ -340,6 +585,7 @@ class PluginWork:
             else:
                 ctx.cancelled.set()
                 status, error = "timed_out", f"timed out after {spec.timeout:g}s"
+                run_log.error("task.timed_out", timeout=spec.timeout)
         except asyncio.CancelledError:
             ctx.cancelled.set()
             raise
@@ -350,9 +596,14 @@ class PluginWork:
             status, error = "failed", describe(exc)
             run_log.error("task.failed", error=error, traceback=traceback.format_exc())
         duration = time.monotonic() - started
-        self.metrics.plugin_runs.labels(spec.name, status).inc()
-        self.metrics.plugin_run_duration.labels(spec.name).observe(duration)
-        await self._record(claim, hold, status, error, run_log, duration)
+        label = self._label(spec.name, spec)
+        self.metrics.plugin_runs.labels(label, status).inc()
+        self.metrics.plugin_run_duration.labels(label).observe(duration)
+        if status == "succeeded":
+            run_log.info("task.succeeded", duration=round(duration, 3))
+        # Its schedule is not claimed again until this result is written.
+        self.unrecorded.add(spec.name)
+        return RunResult(start.run_id, spec.name, status, _storable(error), clock.now())
 
     async def _execute(self, spec: TaskSpec, ctx: TaskContext, hold: Lease, log: Logger) -> None:
         if spec.sql is not None:
@@ -376,40 +627,8 @@ class PluginWork:
                 log_format=self.settings.log.format,
                 log_level=self.settings.log.level,
                 log_context=dict(structlog.get_context(log)),
+                args=spec.args,
             )
             await self.workers.run(
                 job, gone=hold.gone, fresh=hold.fresh, grace=self.settings.lock.stop_grace
             )
-
-    async def _record(
-        self,
-        claim: Claim,
-        hold: Lease,
-        status: str,
-        error: str | None,
-        log: Logger,
-        duration: float,
-    ) -> None:
-        name = claim.spec.name
-        limit = self.settings.plugin.max_consecutive_failures
-        try:
-            async with hold.transaction() as tx:
-                await tx.fetch("run_finish", claim.run_id, status, error)
-                rows = await tx.fetch("task_finished", name, status, error, limit)
-                await tx.fetch("runs_trim", name, self.settings.plugin.history)
-        except Exception as exc:
-            # Lost leadership or database trouble: the run stays `running` until the next
-            # holder of the lock marks it abandoned. Never retried: a slot runs at most once.
-            log.warning("task.result_not_recorded", status=status, error=describe(exc))
-            return
-        if status == "succeeded":
-            log.info("task.succeeded", duration=round(duration, 3))
-        elif status == "timed_out":
-            log.error("task.timed_out", timeout=claim.spec.timeout)
-        if rows and rows[0]["paused"] and status != "succeeded":
-            failures = rows[0]["consecutive_failures"]
-            if failures == limit:
-                log.error(
-                    "task.auto_paused", failures=failures,
-                    hint=f"scheduler-daemon tasks resume {name}",
-                )  # fmt: skip

@@ -6,7 +6,7 @@ import threading
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..db.base import Tx
 from ..logs import Logger
@@ -20,6 +20,8 @@ class TaskContext:
     """Passed to a task's target when it takes one argument.
 
     - ``slot``: the scheduled instant this run is for (UTC), unique per task;
+    - ``args``: the task's JSON arguments (``args`` in its declaration, or its runtime
+      schedule's row), a dict;
     - ``fencing_token``: the plugin loop's fencing token for the leadership running this
       slot. It grows with every change of leader, so a system this task calls can refuse
       a request carrying a smaller token than one it has already seen (a replaced leader
@@ -40,6 +42,7 @@ class TaskContext:
     instance: str
     log: Logger
     fencing_token: int
+    args: dict[str, Any] = field(default_factory=dict)
     lease: Lease | None = None  # None in a worker process
     cancelled: threading.Event = field(default_factory=threading.Event)
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
@@ -28,10 +29,11 @@ from pydantic import ValidationError
 
 from ..config import PluginTaskSettings, Settings
 from ..errors import ConfigError
-from .schedule import Cron, Every, Misfire, Schedule, check_timezone
+from .schedule import Cron, Every, Misfire, Schedule, check_timezone, with_jitter
 from .worker import check_picklable
 
 if TYPE_CHECKING:
+    from ..db.plugin_store import RuntimeDefinition
     from .context import TaskContext
 
 ENTRY_POINT_GROUP = "scheduler_daemon.plugins"
@@ -46,8 +48,11 @@ class TaskSpec:
     misfire: Misfire
     target: Target | None
     sql: str | None
-    source: str  # "config", "plugin:<entry point>", "builtin"
+    source: str  # "config", "plugin:<entry point>", "builtin", "runtime"
     enabled: bool = True
+    args: dict[str, Any] = field(default_factory=dict)
+    # How the target is named ("pkg.mod:func"): what a runtime schedule names to run it.
+    target_path: str | None = None
 
     @property
     def is_async(self) -> bool:
@@ -93,22 +98,39 @@ def import_target(path: str) -> Target:
     return obj  # type: ignore[no-any-return]
 
 
+def make_schedule(
+    name: str, every: float | None, cron: str | None, timezone: str, jitter: float
+) -> Schedule:
+    """Raise ValueError for a schedule that cannot be followed."""
+    if (every is None) == (cron is None):
+        raise ValueError("give exactly one of 'every' and 'cron'")
+    if every is not None:
+        check_timezone(timezone)  # unused by intervals, but a typo all the same
+        if every <= 0:
+            raise ValueError(f"every must be positive, not {every:g}s")
+        return with_jitter(Every(every), name, jitter)
+    assert cron is not None
+    return with_jitter(Cron(cron, timezone), name, jitter)
+
+
+def check_runnable(target: Target) -> None:
+    """Sync targets run in a worker process: they must be importable by name there."""
+    if not inspect.iscoroutinefunction(target) and (problem := check_picklable(target)):
+        raise ValueError(problem)
+
+
 def build_spec(declaration: PluginTaskSettings, source: str, target: Target | None) -> TaskSpec:
-    schedule: Schedule
-    if declaration.every is not None:
-        check_timezone(declaration.timezone)  # unused by intervals, but a typo all the same
-        schedule = Every(declaration.every)
-    else:
-        assert declaration.cron is not None
-        schedule = Cron(declaration.cron, declaration.timezone)
+    schedule = make_schedule(
+        declaration.name,
+        declaration.every,
+        declaration.cron,
+        declaration.timezone,
+        declaration.jitter,
+    )
     if target is None and declaration.target is not None:
         target = import_target(declaration.target)
-    if (
-        target is not None
-        and not inspect.iscoroutinefunction(target)
-        and (problem := check_picklable(target)) is not None
-    ):
-        raise ValueError(problem)  # sync targets run in a worker process
+    if target is not None:
+        check_runnable(target)
     return TaskSpec(
         name=declaration.name,
         schedule=schedule,
@@ -118,6 +140,60 @@ def build_spec(declaration: PluginTaskSettings, source: str, target: Target | No
         sql=declaration.sql,
         source=source,
         enabled=declaration.enabled,
+        args=dict(declaration.args),
+        target_path=declaration.target,
+    )
+
+
+def runnable_targets(settings: Settings, declared: Iterable[TaskSpec]) -> dict[str, Target]:
+    """What runtime schedules may run, by the name they give it: the targets of the
+    declared tasks and ``plugin.runnable``. Raises :class:`ConfigError` naming an entry of
+    ``plugin.runnable`` that cannot be imported or run."""
+    runnable = {
+        spec.target_path: spec.target
+        for spec in declared
+        if spec.target is not None and spec.target_path is not None
+    }
+    for path in settings.plugin.runnable:
+        try:
+            target = import_target(path)
+            check_runnable(target)
+        except ValueError as exc:
+            raise ConfigError(f"plugin.runnable: {exc}") from None
+        runnable[path] = target
+    return runnable
+
+
+def runtime_spec(
+    name: str, definition: RuntimeDefinition, runnable: Mapping[str, Target]
+) -> TaskSpec:
+    """The task a runtime schedule's row describes. ValueError, with the reason, when this
+    replica cannot run it: a target it does not declare runnable, a schedule it cannot
+    follow, arguments that are not a JSON object."""
+    target = runnable.get(definition.target)
+    if target is None:
+        raise ValueError(
+            f"target {definition.target!r} is not runnable on this replica (declare it in "
+            "plugin.runnable or as a declared task's target)"
+        )
+    args = json.loads(definition.args_json)
+    if not isinstance(args, dict):
+        raise ValueError("args must be a JSON object")
+    if definition.misfire not in ("run_once", "skip"):
+        raise ValueError(f"misfire must be 'run_once' or 'skip', not {definition.misfire!r}")
+    schedule = make_schedule(
+        name, definition.every_seconds, definition.cron, definition.timezone, definition.jitter
+    )
+    return TaskSpec(
+        name=name,
+        schedule=schedule,
+        timeout=definition.timeout,
+        misfire=definition.misfire,  # type: ignore[arg-type]  # checked above
+        target=target,
+        sql=None,
+        source="runtime",
+        args=args,
+        target_path=definition.target,
     )
 
 
@@ -126,11 +202,14 @@ def _from_mapping(raw: Mapping[str, Any], source: str) -> TaskSpec:
     target = data.get("target")
     callable_target = target if callable(target) else None
     if callable_target is not None:
-        data["target"] = (
-            f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', '?')}"
-        )
+        data["target"] = target_name(callable_target)
     declaration = PluginTaskSettings.model_validate(data)
     return build_spec(declaration, source, callable_target)
+
+
+def target_name(target: Target) -> str:
+    """How a callable is named as a target: ``module:qualified.name``."""
+    return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', '?')}"
 
 
 def _plugin_declarations() -> Iterable[tuple[str, Mapping[str, Any]]]:

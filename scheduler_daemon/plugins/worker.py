@@ -106,6 +106,7 @@ class WorkerJob:
     log_format: str  # LogSettings.format: "auto", "json", "console"
     log_level: str
     log_context: dict[str, Any] = field(default_factory=dict)  # bound on the ctx's logger
+    args: dict[str, Any] = field(default_factory=dict)  # ctx.args
 
 
 def check_picklable(target: Callable[..., Any]) -> str | None:
@@ -593,6 +594,7 @@ def _call(blob: bytes, cancelled: threading.Event) -> dict[str, Any]:
             instance=job.instance,
             log=get_logger(**job.log_context),
             fencing_token=job.fencing_token,
+            args=job.args,
             lease=None,  # no fenced transaction outside the daemon's own connection
             cancelled=cancelled,
         )

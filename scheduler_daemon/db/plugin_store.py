@@ -1,0 +1,220 @@
+"""The plugin loop's contract with the database: typed methods over named queries.
+
+Each method is one named query of the backend's queries file (``plugin_*`` in
+``postgres.sql`` / ``sqlite.sql``), called with named parameters inside a transaction the
+caller holds (a fenced one, for the loop), and returns dataclasses. A batch, whatever its
+size, is one statement on PostgreSQL: it travels as a JSON array of objects, which both
+backends unpack in SQL (``jsonb_to_recordset``, ``json_each``). Times in those arrays are
+spelled by :func:`~.common.to_db_time`, which both read and SQLite also compares.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from .base import Tx
+from .common import to_db_time
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeDefinition:
+    """What a runtime schedule's row says to run, and when (declared tasks have none: the
+    deployment's declaration says it)."""
+
+    target: str
+    args_json: str  # as stored: the cache key of the built task, decoded once
+    every_seconds: float | None
+    cron: str | None
+    timezone: str
+    timeout: float
+    misfire: str
+    jitter: float
+
+
+@dataclass(frozen=True, slots=True)
+class DueSchedule:
+    name: str
+    next_run_at: datetime
+    trigger_requested_at: datetime | None
+    runtime: RuntimeDefinition | None  # None: a declared task (config, plugin, built-in)
+
+
+@dataclass(frozen=True, slots=True)
+class DueBatch:
+    now: datetime  # the database's clock, as of this transaction
+    due: list[DueSchedule]  # oldest slot first
+    next_slot: datetime | None  # the earliest slot not due yet (active, not paused)
+
+    @property
+    def oldest_due(self) -> datetime | None:
+        slots = [s.next_run_at for s in self.due if s.next_run_at <= self.now]
+        return min(slots, default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """One schedule's part of a batch claim. ``seen_next`` is the compare-and-set: the
+    claim of a schedule whose next_run_at moved since the read does nothing."""
+
+    name: str
+    seen_next: datetime
+    next_run_at: datetime
+    seen_trigger: datetime | None = None  # consumed if still the one read
+    run_slot: datetime | None = None  # inserted as `running`
+    skip_slot: datetime | None = None  # inserted as `skipped_overlap`
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedRun:
+    id: int
+    name: str
+    slot: datetime
+    status: str  # running | skipped_overlap
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    id: int
+    name: str
+    status: str
+    error: str | None
+    finished_at: datetime  # by the database's clock (see loops/plugin.py)
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedSchedule:
+    name: str
+    consecutive_failures: int
+    paused: bool
+    run_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class AbandonedRun:
+    name: str
+    slot: datetime
+    instance: str
+
+
+@dataclass(frozen=True, slots=True)
+class Declaration:
+    name: str
+    schedule: str  # its description: a change of it reschedules the task
+    first: datetime  # next_run_at of a task seen for the first time (or rescheduled)
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeclarationChange:
+    change: str  # registered | rescheduled | activated | shadowed | retired
+    name: str
+
+
+def _json(items: Iterable[dict[str, Any]]) -> str:
+    def encode(value: Any) -> Any:
+        return to_db_time(value) if isinstance(value, datetime) else value
+
+    return json.dumps([{k: encode(v) for k, v in item.items()} for item in items])
+
+
+class PluginStore:
+    """The plugin loop's statements, inside one transaction (``tx``)."""
+
+    def __init__(self, tx: Tx) -> None:
+        self.tx = tx
+
+    async def now(self) -> datetime:
+        rows = await self.tx.query("now")
+        value: datetime = rows[0]["now"]
+        return value
+
+    async def declare(self, tasks: Sequence[Declaration]) -> list[DeclarationChange]:
+        """Make the declared tasks' rows match ``tasks``: new ones registered, changed
+        schedules rescheduled, returning ones activated, the others retired (inactive,
+        state kept). Runtime schedules are left alone (``shadowed``: a runtime schedule
+        holds a declared task's name)."""
+        payload = _json(
+            {"name": t.name, "schedule": t.schedule, "first": t.first, "source": t.source}
+            for t in tasks
+        )
+        rows = await self.tx.query("plugin_declare", tasks=payload)
+        return [DeclarationChange(row["change"], row["name"]) for row in rows]
+
+    async def publish_runnable(self, targets: Iterable[str]) -> None:
+        """Replace the set of targets runtime schedules may name."""
+        await self.tx.query("plugin_runnable", targets=json.dumps(sorted(set(targets))))
+
+    async def abandon(self, reason: str, keep: Sequence[int]) -> list[AbandonedRun]:
+        rows = await self.tx.query("plugin_abandon", reason=reason, keep=list(keep))
+        return [AbandonedRun(row["name"], row["slot"], row["instance"]) for row in rows]
+
+    async def due(self, limit: int, busy: Iterable[str]) -> DueBatch:
+        rows = await self.tx.query("plugin_due", limit=limit, busy=sorted(busy))
+        due: list[DueSchedule] = []
+        now: datetime | None = None
+        next_slot: datetime | None = None
+        for row in rows:
+            now = row["now"]
+            if row["kind"] == "outlook":
+                next_slot = row["next_run_at"]
+                continue
+            runtime = None
+            if row["target"] is not None:
+                runtime = RuntimeDefinition(
+                    target=row["target"],
+                    args_json=row["args"],
+                    every_seconds=row["every_seconds"],
+                    cron=row["cron"],
+                    timezone=row["timezone"],
+                    timeout=row["timeout_seconds"],
+                    misfire=row["misfire"],
+                    jitter=row["jitter_seconds"],
+                )
+            due.append(
+                DueSchedule(row["name"], row["next_run_at"], row["trigger_requested_at"], runtime)
+            )
+        assert now is not None  # the outlook row is always there
+        return DueBatch(now=now, due=due, next_slot=next_slot)
+
+    async def claim(self, instance: str, claims: Sequence[Claim]) -> list[ClaimedRun]:
+        payload = _json(
+            {
+                "name": c.name,
+                "seen_next": c.seen_next,
+                "next": c.next_run_at,
+                "seen_trigger": c.seen_trigger,
+                "run_slot": c.run_slot,
+                "skip_slot": c.skip_slot,
+            }
+            for c in claims
+        )
+        rows = await self.tx.query("plugin_claim", claims=payload, instance=instance)
+        return [ClaimedRun(row["id"], row["name"], row["slot"], row["status"]) for row in rows]
+
+    async def refuse(self, refused: dict[str, str]) -> None:
+        """Pause runtime schedules this leader cannot run, each with its reason."""
+        payload = json.dumps([{"name": n, "error": e} for n, e in refused.items()])
+        await self.tx.query("plugin_refuse", refused=payload)
+
+    async def finish(
+        self, results: Sequence[RunResult], max_failures: int
+    ) -> list[FinishedSchedule]:
+        payload = _json(
+            {"id": r.id, "status": r.status, "error": r.error, "finished_at": r.finished_at}
+            for r in results
+        )
+        rows = await self.tx.query("plugin_finish", results=payload, max_failures=max_failures)
+        return [
+            FinishedSchedule(
+                row["name"], row["consecutive_failures"], bool(row["paused"]), row["run_count"]
+            )
+            for row in rows
+        ]
+
+    async def trim(self, names: Sequence[str], keep: int) -> None:
+        """Delete the runs of ``names`` older than their newest ``keep``."""
+        await self.tx.query("plugin_trim", names=list(names), keep=keep)
