@@ -204,3 +204,14 @@ def block_forever(ctx: TaskContext) -> None:
     if path := os.environ.get("BLOCK_PID_FILE"):
         Path(path).write_text(str(os.getpid()))
     threading.Event().wait()
+
+
+async def brief(ctx: TaskContext) -> None:
+    """A short run (``args.seconds``, default 0.1 s), recorded with its args."""
+    _record(f"brief:{json.dumps(ctx.args, sort_keys=True)}", ctx)
+    await asyncio.sleep(float(ctx.args.get("seconds", 0.1)))
+
+
+def brief_sync(ctx: TaskContext) -> None:
+    """:func:`brief`'s record, from a worker process: args cross the process boundary."""
+    _record(f"brief_sync:{json.dumps(ctx.args, sort_keys=True)}", ctx)

@@ -662,6 +662,46 @@ async def test_trigger_and_due_slot_in_one_tick_run_once(database_url: str, db: 
     assert state["next_run_at"] == due + timedelta(hours=1)
 
 
+# -- at scale: overload, arguments ------------------------------------------------------
+
+
+async def test_overload_serves_every_schedule_oldest_first_and_reports_lag(
+    database_url: str, db: Db, logs: list[dict[str, Any]]
+) -> None:
+    # 30 schedules every 300 ms, each run 100 ms, 2 places: about a fifth of the slots
+    # fit. Oldest slot first, so every schedule progresses (declared order once starved
+    # the last ones for ever), misfires are said, and the lag shows.
+    names = [f"s{i:02d}" for i in range(30)]
+    tasks = [task(name, every="300ms", target="plugin_targets:brief") for name in names]
+    lags: list[float] = []
+    async with running(database_url, tasks, plugin={"concurrency": 2}) as daemon:
+        for _ in range(40):  # 4 s: about 13 periods
+            await asyncio.sleep(0.1)
+            lag = daemon.metrics.registry.get_sample_value("scheduler_plugin_lag_seconds")
+            lags.append(lag or 0.0)
+    runs = Counter(row["name"] for row in await db.runs() if row["status"] == "succeeded")
+    assert set(runs) == set(names), f"starved: {sorted(set(names) - set(runs))}"
+    assert max(lags) > 0.3, lags
+    assert events(logs, "task.misfired") or events(logs, "plugin.misfired")
+    for name in names:  # never two runs of one schedule at once
+        executed = [r for r in await db.runs(name) if r["status"] == "succeeded"]
+        for earlier, later in pairwise(executed):
+            assert later["started_at"] >= earlier["finished_at"] - timedelta(milliseconds=5)
+
+
+async def test_args_reach_async_and_sync_targets(database_url: str, db: Db) -> None:
+    tasks = [
+        task("a", every="1h", target="plugin_targets:brief", args={"seconds": 0, "k": "v"}),
+        task("s", every="1h", target="plugin_targets:brief_sync", args={"n": [1, 2]}),
+    ]
+    async with running(database_url, tasks):
+        await at_least(db, "a", "succeeded", 1)
+        await at_least(db, "s", "succeeded", 1)
+    kinds = {c.kind for c in plugin_targets.calls()}
+    assert 'brief:{"k": "v", "seconds": 0}' in kinds
+    assert 'brief_sync:{"n": [1, 2]}' in kinds
+
+
 # -- built-in and plugin tasks ---------------------------------------------------------
 
 

@@ -403,3 +403,31 @@ def test_duplicate_between_builtins_is_refused() -> None:
         ConfigError, match=r"invalid task 'x': declared twice \(builtin and builtin\)"
     ):
         load_tasks(settings, twice)
+
+
+def test_jitter_is_a_fixed_offset_per_name_within_its_bound() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from scheduler_daemon.plugins.schedule import Cron, Every, jitter_offset, with_jitter
+
+    offsets = [jitter_offset(f"tenant-{i}", 10.0) for i in range(1000)]
+    assert all(timedelta(0) <= o < timedelta(seconds=10) for o in offsets)
+    assert offsets == [jitter_offset(f"tenant-{i}", 10.0) for i in range(1000)]  # stable
+    # Spread over the bound, not bunched: every tenth of it holds some.
+    assert {int(o.total_seconds()) for o in offsets} == set(range(10))
+    assert jitter_offset("x", 0) == timedelta(0)
+
+    now = datetime(2027, 3, 1, 12, 0, 40, tzinfo=UTC)  # past the jitter of 12:00
+    offset = jitter_offset("feed-7", 30.0)
+    every = with_jitter(Every(60), "feed-7", 30.0)
+    first = every.first(now)
+    assert first == now + offset
+    assert every.next_after(first) == first + timedelta(seconds=60)
+    cron = with_jitter(Cron("*/5 * * * *", "UTC"), "feed-7", 30.0)
+    slot = cron.first(now)
+    assert slot == datetime(2027, 3, 1, 12, 5, tzinfo=UTC) + offset
+    assert cron.next_after(slot) == datetime(2027, 3, 1, 12, 10, tzinfo=UTC) + offset
+    assert cron.first_after(slot, slot + timedelta(minutes=12)) == (
+        datetime(2027, 3, 1, 12, 20, tzinfo=UTC) + offset
+    )
+    assert "jitter 30s" in cron.describe()

@@ -114,6 +114,14 @@ class DeclarationChange:
     name: str
 
 
+def _storable(text: str | None) -> str | None:
+    """Text as PostgreSQL text and JSON can hold it (no NUL, no lone surrogate): one
+    target's odd error message must not keep its batch's results from being written."""
+    if text is None:
+        return None
+    return text.replace("\x00", "\\0").encode("utf-8", "replace").decode("utf-8")
+
+
 def _json(items: Iterable[dict[str, Any]]) -> str:
     def encode(value: Any) -> Any:
         return to_db_time(value) if isinstance(value, datetime) else value
@@ -204,7 +212,12 @@ class PluginStore:
         self, results: Sequence[RunResult], max_failures: int
     ) -> list[FinishedSchedule]:
         payload = _json(
-            {"id": r.id, "status": r.status, "error": r.error, "finished_at": r.finished_at}
+            {
+                "id": r.id,
+                "status": r.status,
+                "error": _storable(r.error),
+                "finished_at": r.finished_at,
+            }
             for r in results
         )
         rows = await self.tx.query("plugin_finish", results=payload, max_failures=max_failures)

@@ -95,6 +95,16 @@ class Start:
 
 
 @dataclass(frozen=True, slots=True)
+class Ended:
+    """A run that ended, with what to say once its result is written."""
+
+    result: RunResult
+    duration: float
+    log: Logger
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
 class Clock:
     """The database's clock at a tick's read, against ours: a run's end, measured here, is
     recorded on the database's clock without waiting for a statement to stamp it."""
@@ -114,14 +124,6 @@ class TickPlan:
     misfired: list[tuple[str, datetime, datetime]] = field(default_factory=list)
     waiting: bool = False  # something due waits for a free place or a run's end
     unknown: bool = False  # a declared task another deployment declares: not ours
-
-
-def _storable(text: str | None) -> str | None:
-    """Error text as PostgreSQL text and JSON can hold it (no NUL, no lone surrogate):
-    one target's odd message must not keep its batch's results from being written."""
-    if text is None:
-        return None
-    return text.replace("\x00", "\\0").encode("utf-8", "replace").decode("utf-8")
 
 
 class PluginWork:
@@ -368,6 +370,7 @@ class PluginWork:
         meanwhile cancels them at once). Either way the guard then stops whatever is left,
         before it lets the lock go."""
         self._lease = None
+        self.metrics.plugin_lag.set(0)  # a standby reports no lag: only the leader knows
         if self.listener is not None:
             self.listener.unsubscribe(WAKE_CHANNEL)
         if graceful and self._batches:
@@ -437,7 +440,7 @@ class PluginWork:
         result is written (or the hold is lost: then its exit stops them, within
         stop_grace, before it lets go)."""
         entered = False
-        runs: dict[asyncio.Task[RunResult], Start] = {}
+        runs: dict[asyncio.Task[Ended], Start] = {}
         try:
             async with pending as hold:
                 entered = True
@@ -462,12 +465,12 @@ class PluginWork:
             self.wake()
 
     async def _collect(
-        self, hold: Lease, runs: dict[asyncio.Task[RunResult], Start], log: Logger
+        self, hold: Lease, runs: dict[asyncio.Task[Ended], Start], log: Logger
     ) -> None:
         """Write the runs' results as they end: every RESULT_FLUSH_INTERVAL while some
         still run, at once when RESULT_FLUSH_SIZE wait, and the rest when the last ends."""
         pending: set[asyncio.Future[Any]] = set(runs)
-        buffered: list[RunResult] = []
+        buffered: list[Ended] = []
         oldest = 0.0
         lost = asyncio.ensure_future(hold.lost.wait())
         attempts = 0
@@ -492,7 +495,7 @@ class PluginWork:
                             continue
                         if not buffered:
                             oldest = time.monotonic()
-                        buffered.append(cast(RunResult, run.result()))
+                        buffered.append(cast(Ended, run.result()))
                 due = time.monotonic() - oldest >= RESULT_FLUSH_INTERVAL
                 if buffered and (not pending or due or len(buffered) >= RESULT_FLUSH_SIZE):
                     try:
@@ -507,27 +510,26 @@ class PluginWork:
                             log.warning("task.results_retry", error=describe(exc))
                             await asyncio.sleep(RESULT_FLUSH_INTERVAL * attempts)
                         continue
-                    for result in buffered:
-                        self.unrecorded.discard(result.name)
-                        self._written.add(result.id)
+                    for ended in buffered:
+                        self.unrecorded.discard(ended.result.name)
+                        self._written.add(ended.result.id)
                     buffered = []
                     attempts = 0
                     self.wake()  # their schedules may be due again
         finally:
             lost.cancel()
 
-    def _drop(self, results: list[RunResult], exc: Exception, log: Logger) -> None:
+    def _drop(self, results: list[Ended], exc: Exception, log: Logger) -> None:
         # Lost leadership or database trouble: the runs stay `running` until a holder of
         # the lock marks them abandoned (this one too, if it still leads). Never retried
         # as runs: a slot runs at most once.
         self._sweep = True
-        for result in results:
-            log.warning(
-                "task.result_not_recorded", task=result.name, status=result.status,
-                error=describe(exc),
-            )  # fmt: skip
+        for ended in results:
+            ended.log.warning(
+                "task.result_not_recorded", status=ended.result.status, error=describe(exc)
+            )
 
-    async def _record(self, hold: Lease, results: list[RunResult], log: Logger) -> None:
+    async def _record(self, hold: Lease, ended: list[Ended], log: Logger) -> None:
         limit = self.settings.plugin.max_consecutive_failures
         # Trimmed every so many runs per schedule, never per run: history stays between
         # `history` and `history` + that many rows.
@@ -535,10 +537,15 @@ class PluginWork:
         every = max(1, min(100, keep))
         async with hold.transaction() as tx:
             store = PluginStore(tx)
-            finished = await store.finish(results, limit)
+            finished = await store.finish([e.result for e in ended], limit)
             trim = [f.name for f in finished if f.run_count % every == 0]
             if trim:
                 await store.trim(trim, keep)
+        for each in ended:  # said once recorded: a reader of the log finds it in the table
+            if each.result.status == "succeeded":
+                each.log.info("task.succeeded", duration=round(each.duration, 3))
+            elif each.result.status == "timed_out":
+                each.log.error("task.timed_out", timeout=each.timeout)
         for schedule in finished:
             if schedule.paused and schedule.consecutive_failures == limit:
                 log.error(
@@ -559,7 +566,7 @@ class PluginWork:
             self._sync_running.discard(name)
             self.wake()  # a place is free: something due may be waiting for it
 
-    async def _run(self, start: Start, hold: Lease, clock: Clock, log: Logger) -> RunResult:
+    async def _run(self, start: Start, hold: Lease, clock: Clock, log: Logger) -> Ended:
         spec = start.spec
         run_log = log.bind(task=spec.name, slot=start.slot.isoformat())
         ctx = TaskContext(
@@ -585,7 +592,6 @@ class PluginWork:
             else:
                 ctx.cancelled.set()
                 status, error = "timed_out", f"timed out after {spec.timeout:g}s"
-                run_log.error("task.timed_out", timeout=spec.timeout)
         except asyncio.CancelledError:
             ctx.cancelled.set()
             raise
@@ -599,11 +605,10 @@ class PluginWork:
         label = self._label(spec.name, spec)
         self.metrics.plugin_runs.labels(label, status).inc()
         self.metrics.plugin_run_duration.labels(label).observe(duration)
-        if status == "succeeded":
-            run_log.info("task.succeeded", duration=round(duration, 3))
         # Its schedule is not claimed again until this result is written.
         self.unrecorded.add(spec.name)
-        return RunResult(start.run_id, spec.name, status, _storable(error), clock.now())
+        result = RunResult(start.run_id, spec.name, status, error, clock.now())
+        return Ended(result, duration, run_log, spec.timeout)
 
     async def _execute(self, spec: TaskSpec, ctx: TaskContext, hold: Lease, log: Logger) -> None:
         if spec.sql is not None:

@@ -1,0 +1,306 @@
+"""The plugin loop's store contract (db/plugin_store.py), on both backends.
+
+Each typed method against a real database: what the loop relies on, including the rules
+the database enforces whatever the leaders think (one run per (name, slot), at most one
+running run per schedule: graphile-worker #621 was a batch claim that broke the second).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+
+from scheduler_daemon.client import Client
+from scheduler_daemon.config import Settings
+from scheduler_daemon.db.base import Store
+from scheduler_daemon.db.plugin_store import Claim, Declaration, PluginStore, RunResult
+from scheduler_daemon.db.sqlfiles import queries
+
+
+@pytest.fixture
+async def store(database_url: str) -> AsyncIterator[Store]:
+    async with Client.connect(Settings(database_url=database_url)) as client:
+        yield client.store
+
+
+async def now_of(store: Store) -> datetime:
+    async with store.transaction() as tx:
+        return await PluginStore(tx).now()
+
+
+async def add(store: Store, name: str, next_run_at: datetime, **columns: Any) -> None:
+    """A declared task's row (no target), as the leader's declare writes one."""
+    async with store.transaction() as tx:
+        await tx.run(
+            _sql(
+                store,
+                "INSERT INTO scheduler_plugin_tasks (name, schedule, next_run_at, source) VALUES ($1, 'every 10s', $2, 'config')",
+            ),
+            name,
+            next_run_at,
+        )
+        for column, value in columns.items():
+            await tx.run(
+                _sql(store, f"UPDATE scheduler_plugin_tasks SET {column} = $2 WHERE name = $1"),
+                name,
+                value,
+            )
+
+
+def as_json(store: Store, value: Any) -> Any:
+    """A jsonb parameter: asyncpg's codec (the store's) encodes it; SQLite takes text."""
+    return value if store.backend == "postgres" else json.dumps(value)
+
+
+def _sql(store: Store, text: str) -> str:
+    return text if store.backend == "postgres" else text.replace("$", "?")
+
+
+async def rows(store: Store, sql: str, *args: Any) -> list[dict[str, Any]]:
+    # The named-query machinery is the store's; a test's own SELECTs go through fetch of a
+    # throwaway named query would be overkill: plain statements via the store's tx.run
+    # return nothing, so read with the backend's driver through a readonly transaction.
+    async with store.transaction(readonly=True) as tx:
+        conn = tx.conn  # type: ignore[attr-defined]
+        if store.backend == "postgres":
+            return [dict(r) for r in await conn.fetch(sql, *args)]
+        from scheduler_daemon.db.sqlite import from_db_row, to_db_value
+
+        params = tuple(to_db_value(a) for a in args)
+        async with conn.execute(sql.replace("$", "?"), params) as cursor:
+            return [from_db_row(r) for r in await cursor.fetchall()]
+
+
+def test_both_backends_define_the_plugin_queries() -> None:
+    plugin = {name for name in queries("postgres") if name.startswith("plugin_")}
+    assert plugin == {name for name in queries("sqlite") if name.startswith("plugin_")}
+    assert {"plugin_due", "plugin_claim", "plugin_finish", "plugin_trim"} <= plugin
+
+
+async def test_due_is_oldest_first_limited_and_skips_busy(store: Store) -> None:
+    now = await now_of(store)
+    for i in range(6):
+        await add(store, f"t{i}", now - timedelta(seconds=60 - i))
+    await add(store, "later", now + timedelta(hours=1))
+    await add(store, "paused", now - timedelta(hours=1), paused=True)
+    async with store.transaction() as tx:
+        batch = await PluginStore(tx).due(limit=3, busy=["t0"])
+    assert [s.name for s in batch.due] == ["t1", "t2", "t3"]
+    assert batch.oldest_due == batch.due[0].next_run_at
+    assert batch.next_slot == now + timedelta(hours=1)
+    assert all(s.runtime is None for s in batch.due)
+
+
+async def test_a_triggered_schedule_is_due_before_its_slot(store: Store) -> None:
+    now = await now_of(store)
+    await add(store, "yearly", now + timedelta(days=300), trigger_requested_at=now)
+    async with store.transaction() as tx:
+        batch = await PluginStore(tx).due(limit=10, busy=[])
+    [due] = batch.due
+    assert due.name == "yearly"
+    assert due.trigger_requested_at == now
+
+
+async def test_claim_is_compare_and_set_and_one_running_run_per_schedule(store: Store) -> None:
+    now = await now_of(store)
+    slot = now - timedelta(seconds=5)
+    await add(store, "a", slot)
+    await add(store, "b", slot)
+    nxt = slot + timedelta(seconds=10)
+    async with store.transaction() as tx:
+        claimed = await PluginStore(tx).claim(
+            "r1",
+            [
+                Claim("a", seen_next=slot, next_run_at=nxt, run_slot=slot),
+                # Read before someone moved it: the claim does nothing for it.
+                Claim("b", seen_next=slot - timedelta(hours=1), next_run_at=nxt, run_slot=slot),
+            ],
+        )
+    assert [(c.name, c.status) for c in claimed] == [("a", "running")]
+    # The same schedule again, a new slot, while its first run is still running: the
+    # database refuses the second running run (graphile-worker #621), and two claims of
+    # one schedule in one batch take one run at most.
+    async with store.transaction() as tx:
+        again = await PluginStore(tx).claim(
+            "r1", [Claim("a", seen_next=nxt, next_run_at=nxt + timedelta(seconds=10), run_slot=nxt)]
+        )
+    assert again == []
+    running = await rows(store, "SELECT name FROM scheduler_plugin_runs WHERE status = 'running'")
+    assert running == [{"name": "a"}]
+    # The slot itself can never be taken twice.
+    async with store.transaction() as tx:
+        await PluginStore(tx).finish(
+            [RunResult(claimed[0].id, "a", "succeeded", None, now)], max_failures=5
+        )
+    async with store.transaction() as tx:
+        twice = await PluginStore(tx).claim(
+            "r2",
+            [Claim("a", seen_next=nxt + timedelta(seconds=10), next_run_at=nxt, run_slot=slot)],
+        )
+    assert twice == []
+
+
+async def test_trigger_and_skip_slots(store: Store) -> None:
+    now = await now_of(store)
+    slot = now - timedelta(seconds=5)
+    trigger = now - timedelta(seconds=1)
+    await add(store, "a", slot, trigger_requested_at=trigger)
+    async with store.transaction() as tx:
+        claimed = await PluginStore(tx).claim(
+            "r1",
+            [
+                Claim(
+                    "a",
+                    slot,
+                    slot + timedelta(seconds=10),
+                    seen_trigger=trigger,
+                    run_slot=slot,
+                    skip_slot=trigger,
+                )
+            ],
+        )
+    assert sorted((c.status, c.slot) for c in claimed) == [
+        ("running", slot),
+        ("skipped_overlap", trigger),
+    ]
+    [task] = await rows(
+        store, "SELECT trigger_requested_at, run_count, last_status FROM scheduler_plugin_tasks"
+    )
+    assert task["trigger_requested_at"] is None
+    assert (task["run_count"], task["last_status"]) == (1, "running")
+
+
+async def test_finish_counts_failures_pauses_and_trims(store: Store) -> None:
+    now = await now_of(store)
+    await add(store, "f", now - timedelta(minutes=10))
+    slots = [now - timedelta(minutes=10) + timedelta(seconds=i) for i in range(5)]
+    for i, slot in enumerate(slots):
+        async with store.transaction() as tx:
+            plugin = PluginStore(tx)
+            [run] = await plugin.claim(
+                "r1", [Claim("f", slot, slots[i + 1] if i < 4 else now, run_slot=slot)]
+            )
+            finished = await plugin.finish(
+                [RunResult(run.id, "f", "failed", "boom\x00" if i == 0 else "boom", now)],
+                max_failures=3,
+            )
+        assert finished[0].consecutive_failures == i + 1
+        assert finished[0].paused == (i + 1 >= 3)
+        assert finished[0].run_count == i + 1
+    async with store.transaction() as tx:
+        await PluginStore(tx).trim(["f"], keep=2)
+    kept = await rows(store, "SELECT slot FROM scheduler_plugin_runs ORDER BY slot")
+    assert [r["slot"] for r in kept] == slots[-2:]
+
+
+async def test_abandon_keeps_the_callers_own_runs(store: Store) -> None:
+    now = await now_of(store)
+    await add(store, "x", now)
+    await add(store, "y", now)
+    async with store.transaction() as tx:
+        claimed = await PluginStore(tx).claim(
+            "r1", [Claim(n, now, now + timedelta(seconds=10), run_slot=now) for n in ("x", "y")]
+        )
+    mine = [c.id for c in claimed if c.name == "x"]
+    async with store.transaction() as tx:
+        abandoned = await PluginStore(tx).abandon("gone", mine)
+    assert [(a.name, a.instance) for a in abandoned] == [("y", "r1")]
+
+
+async def test_declare_registers_reschedules_retires_and_leaves_runtime_rows(store: Store) -> None:
+    now = await now_of(store)
+    first = now + timedelta(seconds=30)
+    async with store.transaction() as tx:
+        plugin = PluginStore(tx)
+        await plugin.publish_runnable(["pkg.mod:fn"])
+        changes = await plugin.declare(
+            [
+                Declaration("keep", "every 10s", first, "config"),
+                Declaration("go", "every 10s", first, "config"),
+            ]
+        )
+    assert sorted((c.change, c.name) for c in changes) == [
+        ("registered", "go"),
+        ("registered", "keep"),
+    ]
+    async with store.transaction() as tx:
+        await tx.run(
+            _sql(
+                store,
+                "INSERT INTO scheduler_plugin_tasks (name, target, every_seconds) VALUES ($1, $2, 5)",
+            ),
+            "runtime-1",
+            "pkg.mod:fn",
+        )
+    later = now + timedelta(hours=1)
+    async with store.transaction() as tx:
+        changes = await PluginStore(tx).declare(
+            [
+                Declaration("keep", "every 20s", later, "config"),
+                Declaration("runtime-1", "every 1s", later, "config"),
+            ]
+        )
+    assert sorted((c.change, c.name) for c in changes) == [
+        ("rescheduled", "keep"), ("retired", "go"), ("shadowed", "runtime-1"),
+    ]  # fmt: skip
+    state = {
+        r["name"]: r
+        for r in await rows(
+            store, "SELECT name, next_run_at, active, target FROM scheduler_plugin_tasks"
+        )
+    }
+    assert state["keep"]["next_run_at"] == later
+    assert not state["go"]["active"]
+    assert state["runtime-1"]["target"] == "pkg.mod:fn"
+    assert state["runtime-1"]["active"]
+
+
+async def test_runtime_rows_name_only_runnable_targets(store: Store) -> None:
+    async with store.transaction() as tx:
+        await PluginStore(tx).publish_runnable(["pkg.mod:ok"])
+    insert = _sql(
+        store,
+        "INSERT INTO scheduler_plugin_tasks (name, target, every_seconds, args) VALUES ($1, $2, 5, $3)",
+    )
+    with pytest.raises(Exception, match="scheduler_plugin_tasks_target_check"):
+        async with store.transaction() as tx:
+            await tx.run(insert, "evil", "os:system", as_json(store, {"command": "id"}))
+    async with store.transaction() as tx:
+        await tx.run(insert, "good", "pkg.mod:ok", as_json(store, {"n": 1}))
+    with pytest.raises(Exception, match="scheduler_plugin_tasks_target_check"):
+        async with store.transaction() as tx:
+            await tx.run(
+                _sql(store, "UPDATE scheduler_plugin_tasks SET target = $1 WHERE name = 'good'"),
+                "os:system",
+            )
+    async with store.transaction() as tx:
+        batch = await PluginStore(tx).due(limit=10, busy=[])
+    [good] = batch.due  # next_run_at defaults to now: due at once
+    assert good.runtime is not None
+    assert (good.runtime.target, json.loads(good.runtime.args_json)) == ("pkg.mod:ok", {"n": 1})
+    assert good.runtime.every_seconds == 5
+    # And a row that breaks the runtime rules is refused by the database too.
+    with pytest.raises(Exception, match="scheduler_plugin_tasks_runtime_check"):
+        async with store.transaction() as tx:
+            await tx.run(
+                _sql(
+                    store,
+                    "INSERT INTO scheduler_plugin_tasks (name, target, every_seconds, cron) VALUES ('both', $1, 5, '* * * * *')",
+                ),
+                "pkg.mod:ok",
+            )
+
+
+async def test_refuse_pauses_with_the_reason(store: Store) -> None:
+    now = await now_of(store)
+    await add(store, "r", now)
+    async with store.transaction() as tx:
+        await PluginStore(tx).refuse({"r": "target 'x:y' is not runnable on this replica"})
+    [row] = await rows(store, "SELECT paused, last_status, last_error FROM scheduler_plugin_tasks")
+    assert bool(row["paused"])
+    assert row["last_status"] == "failed"
+    assert "not runnable" in row["last_error"]
