@@ -17,6 +17,7 @@ they are reported, measured and bounded by the test rather than silently ignored
 
 from __future__ import annotations
 
+import heapq
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
@@ -115,15 +116,22 @@ def check_effects(
     for loop, items in by_loop.items():
         items.sort(key=lambda r: (r.start, r.end))
         problems: list[tuple[str, tuple[EffectRun, ...]]] = []
-        # Overlap: each run against every earlier run still going when it started.
+        # Overlap: each run against every earlier run still going when it started, kept
+        # per instance in a heap by end (a sweep: thousands of runs a second stay cheap).
+        going: dict[str, list[tuple[float, int, EffectRun]]] = defaultdict(list)
         for index, current in enumerate(items):
-            for earlier in items[:index]:
-                if earlier.end > current.start and earlier.instance != current.instance:
+            for instance, heap in going.items():
+                while heap and heap[0][0] <= current.start:
+                    heapq.heappop(heap)
+                if instance == current.instance:
+                    continue
+                for _, _, earlier in sorted(heap, key=lambda entry: entry[1]):
                     problems.append((
                         f"{earlier.describe()} and {current.describe()}: "
                         f"{earlier.end - current.start:.3f}s of work by two instances at once",
                         (earlier, current),
                     ))  # fmt: skip
+            heapq.heappush(going[current.instance], (current.end, index, current))
         # Tokens: in start order, never smaller than one already seen.
         highest: EffectRun | None = None
         for current in items:
