@@ -391,12 +391,16 @@ class PluginWork:
             Declaration(spec.name, spec.schedule.describe(), spec.schedule.first(now), spec.source)
             for spec in self.tasks.values()
         ]
-        sources = {spec.name: spec.source for spec in self.tasks.values()}
         for change in await store.declare(declared):
+            spec = self.tasks.get(change.name)
+            schedule = spec.schedule.describe() if spec is not None else None
             if change.change == "registered":
-                log.info("task.registered", task=change.name, source=sources.get(change.name))
+                log.info(
+                    "task.registered", task=change.name, schedule=schedule,
+                    source=spec.source if spec is not None else None,
+                )  # fmt: skip
             elif change.change == "rescheduled":
-                log.info("task.rescheduled", task=change.name)
+                log.info("task.rescheduled", task=change.name, schedule=schedule)
             elif change.change == "shadowed":
                 log.error(
                     "task.shadowed", task=change.name,
