@@ -18,6 +18,21 @@ Both run the same validation (:func:`validate_schedule`) before anything reaches
 database, so a refused request changes nothing (and leaves the application's transaction
 usable), and the same statements, from the named queries in ``db/postgres.sql``.
 (Applications may also INSERT into ``scheduler_publications`` with plain SQL.)
+
+Runtime schedules (plugin tasks held as data: docs/plugins.md, "Schedules as data") the
+same two ways::
+
+    async with Client.connect(load_settings()) as client:
+        await client.add_schedule("feed-42", every="5m", target="feeds.jobs:refresh",
+                                  args={"feed": 42})
+        await client.remove_schedule("feed-42")
+
+    async with conn.transaction():
+        await conn.execute("INSERT INTO feeds ...")
+        await add_schedule_in(conn, "feed-42", every="5m", target="feeds.jobs:refresh",
+                              args={"feed": 42})
+
+validated first by :func:`validate_runtime_schedule`.
 """
 
 from __future__ import annotations
@@ -27,16 +42,31 @@ import json
 import re
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime
-from typing import Any, Final
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, Final
 
-from .config import MAX_TASK_NAME_LENGTH, PublishSettings, Settings
-from .db import Publication, PublicationFilter, ScheduleResult, Store
+from pydantic import ValidationError
+
+from .config import MAX_TASK_NAME_LENGTH, PluginTaskSettings, PublishSettings, Settings
+from .db import (
+    AddedSchedule,
+    Publication,
+    PublicationFilter,
+    ScheduleDefinition,
+    ScheduleRecord,
+    ScheduleResult,
+    Store,
+)
 from .db.common import explain_cancel_refusal
 from .db.connect import connect
+from .db.schedules import ScheduleStore
 from .db.sqlfiles import queries
 from .errors import InvalidInput
 from .logs import Logger, get_logger
+
+if TYPE_CHECKING:
+    from .plugins.schedule import Schedule
 
 #: ``publish.max_payload_bytes`` unless configured otherwise (1 MiB).
 DEFAULT_MAX_PAYLOAD_BYTES: Final[int] = PublishSettings.model_fields["max_payload_bytes"].default
@@ -156,6 +186,165 @@ def ignored_changes(result: ScheduleResult, publish_at: datetime, payload: Any =
     return changed
 
 
+# -- runtime schedules ------------------------------------------------------------------
+
+#: A runtime schedule's target, as the deployment names it in ``plugin.runnable``:
+#: ``package.module:function`` (or ``module:Class.method``).
+_TARGET = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*", re.ASCII)
+
+#: Seconds (``30``, ``2.5``), a duration as config reads it (``"30s"``, ``"250ms"``,
+#: ``"5m"``, ``"1h"``, ``"1d"``), or a timedelta.
+DurationLike = float | str | timedelta
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeSchedule:
+    """A runtime schedule that passed :func:`validate_runtime_schedule`: what
+    :meth:`Client.add_schedule` and :func:`add_schedule_in` write."""
+
+    name: str
+    target: str
+    args: dict[str, Any]
+    args_json: str
+    every_seconds: float | None
+    cron: str | None
+    timezone: str
+    timeout_seconds: float
+    misfire: str
+    jitter_seconds: float
+    start: datetime | None
+    schedule: Schedule  # when its slots fall (plugins/schedule.py)
+
+    def definition(self) -> ScheduleDefinition:
+        return ScheduleDefinition(
+            name=self.name,
+            target=self.target,
+            args_json=self.args_json,
+            schedule=self.schedule.describe(),
+            every_seconds=self.every_seconds,
+            cron=self.cron,
+            timezone=self.timezone,
+            timeout_seconds=self.timeout_seconds,
+            misfire=self.misfire,
+            jitter_seconds=self.jitter_seconds,
+            start=self.start,
+            # From the database's clock, read in the transaction that writes the row.
+            first_slot=self.schedule.first,
+        )
+
+
+def _seconds(value: DurationLike) -> Any:
+    return value.total_seconds() if isinstance(value, timedelta) else value
+
+
+def _first_problem(exc: ValidationError) -> str:
+    """The first problem pydantic found, named by its parameter (``every: not a
+    duration: 'soon' …``)."""
+    error = exc.errors(include_url=False)[0]
+    message = str(error["msg"]).removeprefix("Value error, ")
+    key = ".".join(str(part) for part in error["loc"])
+    return f"{key}: {message}" if key else message
+
+
+def validate_runtime_schedule(
+    name: str,
+    *,
+    target: str,
+    every: DurationLike | None = None,
+    cron: str | None = None,
+    timezone: str = "UTC",
+    args: Mapping[str, Any] | None = None,
+    timeout: DurationLike = 300.0,
+    misfire: str = "run_once",
+    jitter: DurationLike = 0.0,
+    start: datetime | None = None,
+    max_args_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+) -> RuntimeSchedule:
+    """Every rule a runtime schedule must pass before it reaches the database; raises
+    :class:`InvalidInput` naming the parameter.
+
+    The rules: ``name`` is not blank, at most :data:`MAX_TASK_NAME_LENGTH` characters of
+    storable text; exactly one of ``every`` (a positive duration) and ``cron`` (a cron
+    expression that matches some date, read in ``timezone``, an IANA name); ``target``
+    is ``package.module:function`` (whether the deployment declares it runnable is the
+    database's to say, at the write); ``args`` is a JSON object (None: ``{}``) within
+    ``max_args_bytes`` (the daemon's ``publish.max_payload_bytes``) and
+    :data:`MAX_PAYLOAD_DEPTH`; ``timeout`` a positive duration, ``misfire`` ``run_once``
+    or ``skip``, ``jitter`` a duration of 0 or more; durations as config reads them
+    (``30``, ``"30s"``, ``"5m"``) or timedeltas; ``start`` None (the schedule's first
+    slot after the database's now: an interval runs at once, a cron expression at its
+    next match) or a timezone-aware time (in the past: due at once).
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidInput("name must not be empty")
+    if len(name) > MAX_TASK_NAME_LENGTH:
+        raise InvalidInput(
+            f"name is {len(name)} characters, over the limit of {MAX_TASK_NAME_LENGTH}"
+        )
+    for what, text in (("name", name), ("cron", cron), ("timezone", timezone)):
+        problem = _unstorable(text) if isinstance(text, str) else None
+        if problem is not None:
+            raise InvalidInput(f"{what} holds {problem}")
+    if not isinstance(target, str) or _TARGET.fullmatch(target) is None:
+        raise InvalidInput(f"target {target!r} is not of the form 'package.module:function'")
+    if args is None:
+        args = {}
+    if not isinstance(args, Mapping):
+        raise InvalidInput(f"args must be a JSON object, not {type(args).__name__}")
+    try:
+        args_json = encode_payload(dict(args), max_args_bytes)
+    except InvalidInput as exc:
+        raise InvalidInput("args" + str(exc).removeprefix("payload")) from None
+    fields: dict[str, Any] = {
+        "name": name,
+        "target": target,
+        "timezone": timezone,
+        "timeout": _seconds(timeout),
+        "misfire": misfire,
+    }
+    if every is not None:
+        fields["every"] = _seconds(every)
+    if cron is not None:
+        fields["cron"] = cron
+    fields["jitter"] = _seconds(jitter)
+    try:
+        declared = PluginTaskSettings.model_validate(fields)
+    except ValidationError as exc:
+        raise InvalidInput(_first_problem(exc)) from None
+    # Imported here: the CLI imports this module, and only a schedule needs croniter.
+    from .plugins.tasks import make_schedule
+
+    try:
+        schedule = make_schedule(
+            name, declared.every, declared.cron, declared.timezone, declared.jitter
+        )
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+    if start is not None:
+        if start.tzinfo is None or start.utcoffset() is None:
+            raise InvalidInput("start must be timezone-aware (e.g. 2027-01-01T09:00Z)")
+        try:
+            start = start.astimezone(UTC)
+        except OverflowError:
+            raise InvalidInput(
+                f"start {start.isoformat()} is out of range (years 1 to 9999, in UTC)"
+            ) from None
+    return RuntimeSchedule(
+        name=name,
+        target=target,
+        args=json.loads(args_json),
+        args_json=args_json,
+        every_seconds=declared.every,
+        cron=declared.cron,
+        timezone=declared.timezone,
+        timeout_seconds=declared.timeout,
+        misfire=declared.misfire,
+        jitter_seconds=declared.jitter,
+        start=start,
+        schedule=schedule,
+    )
+
+
 class Client:
     def __init__(self, store: Store, max_payload_bytes: int) -> None:
         self.store = store
@@ -193,6 +382,66 @@ class Client:
     async def find(self, where: PublicationFilter | None = None) -> list[Publication]:
         """Publications in ``publish_at`` order (the first 100 unless ``where.limit``)."""
         return await self.store.find_publications(where or PublicationFilter())
+
+    # Runtime schedules: docs/plugins.md, "Schedules as data".
+
+    async def add_schedule(
+        self,
+        name: str,
+        *,
+        target: str,
+        every: DurationLike | None = None,
+        cron: str | None = None,
+        timezone: str = "UTC",
+        args: Mapping[str, Any] | None = None,
+        timeout: DurationLike = 300.0,  # noqa: ASYNC109 (each run's, not this call's)
+        misfire: str = "run_once",
+        jitter: DurationLike = 0.0,
+        start: datetime | None = None,
+        replace: bool = False,
+    ) -> AddedSchedule:
+        """Add a runtime schedule: ``target`` (a ``"package.module:function"`` the
+        deployment declares runnable: ``plugin.runnable``) runs with ``ctx.args == args``
+        at every slot of ``every`` or ``cron`` (see :func:`validate_runtime_schedule` for
+        each parameter). The first slot is ``start``, else the schedule's first after the
+        database's now: an interval schedule runs at once.
+
+        A name in use is refused (:class:`InvalidInput`, nothing changed), unless
+        ``replace``: then a runtime schedule of that name gets this definition, keeping
+        its ``next_run_at`` unless the schedule (every, cron, timezone, jitter) changed or
+        ``start`` is given, and keeping its paused state and history. A task the
+        deployment declares is never replaced. ``created`` in the result says which
+        happened. The current plugin leader sees it at once on PostgreSQL in session
+        mode, else at its next tick."""
+        request = validate_runtime_schedule(
+            name, target=target, every=every, cron=cron, timezone=timezone, args=args,
+            timeout=timeout, misfire=misfire, jitter=jitter, start=start,
+            max_args_bytes=self.max_payload_bytes,
+        )  # fmt: skip
+        return await self.store.add_schedule(request.definition(), replace=replace)
+
+    async def remove_schedule(self, name: str) -> ScheduleRecord:
+        """Remove a runtime schedule, returning its last state: no slot of it runs after
+        this commits, and a run in flight ends normally (its history stays in
+        ``scheduler_plugin_runs``). :class:`~scheduler_daemon.errors.NotFound` for an
+        unknown name, and for a task the deployment declares (left as it is)."""
+        return await self.store.remove_schedule(name)
+
+    async def get_schedule(self, name: str) -> ScheduleRecord | None:
+        """A runtime schedule or declared task by name (see ``ScheduleRecord.runtime``)."""
+        return await self.store.get_schedule(name)
+
+    async def list_schedules(self) -> list[ScheduleRecord]:
+        """Every runtime schedule and declared task, by name."""
+        return await self.store.list_schedules()
+
+    async def pause_schedule(self, name: str) -> ScheduleRecord:
+        """Stop running its slots (a run in flight finishes), as ``tasks pause``."""
+        return await self.store.set_schedule_paused(name, True)
+
+    async def resume_schedule(self, name: str) -> ScheduleRecord:
+        """Run its slots again and clear its failure count, as ``tasks resume``."""
+        return await self.store.set_schedule_paused(name, False)
 
 
 # -- on the application's own connection ----------------------------------------------
@@ -279,3 +528,53 @@ async def cancel_in(conn: Any, publication_id: int) -> Publication:
         return _publication(row)
     current = await conn.fetchrow(q["get"], publication_id)
     raise explain_cancel_refusal(publication_id, None if current is None else _publication(current))
+
+
+async def add_schedule_in(
+    conn: Any,
+    name: str,
+    *,
+    target: str,
+    every: DurationLike | None = None,
+    cron: str | None = None,
+    timezone: str = "UTC",
+    args: Mapping[str, Any] | None = None,
+    timeout: DurationLike = 300.0,  # noqa: ASYNC109 (each run's, not this call's)
+    misfire: str = "run_once",
+    jitter: DurationLike = 0.0,
+    start: datetime | None = None,
+    replace: bool = False,
+    max_args_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+) -> AddedSchedule:
+    """:meth:`Client.add_schedule` on the application's asyncpg connection (PostgreSQL),
+    inside the transaction it has open there: the schedule exists if and only if that
+    transaction commits (RuntimeError without one, and nothing sent).
+
+    Every refusal (:class:`InvalidInput`: a bad parameter, a name in use, a target the
+    deployment does not declare runnable) is decided before anything is written, so the
+    transaction stays usable. The first slot comes from the database's clock at this call
+    (``clock_timestamp()``, not the transaction's start). Pass the daemon's
+    ``publish.max_payload_bytes`` as ``max_args_bytes`` if you changed it. The insert's
+    NOTIFY reaches a session-mode leader at commit."""
+    request = validate_runtime_schedule(
+        name, target=target, every=every, cron=cron, timezone=timezone, args=args,
+        timeout=timeout, misfire=misfire, jitter=jitter, start=start,
+        max_args_bytes=max_args_bytes,
+    )  # fmt: skip
+    return await _schedules_on(conn, "add_schedule_in").add(request.definition(), replace=replace)
+
+
+async def remove_schedule_in(conn: Any, name: str) -> ScheduleRecord:
+    """:meth:`Client.remove_schedule` on the application's asyncpg connection, in its open
+    transaction (RuntimeError without one): removed if and only if that transaction
+    commits. :class:`~scheduler_daemon.errors.NotFound` for an unknown name or a declared
+    task, raised before anything is written."""
+    return await _schedules_on(conn, "remove_schedule_in").remove(name)
+
+
+def _schedules_on(conn: Any, function: str) -> ScheduleStore:
+    _check_connection(conn, function)
+    # Imported here, as asyncpg in _check_connection.
+    from .db.postgres import PgTx
+
+    return ScheduleStore(PgTx(conn))

@@ -74,6 +74,11 @@ Duration = Annotated[
     float, BeforeValidator(parse_duration), Field(gt=0, le=MAX_DURATION, allow_inf_nan=False)
 ]
 
+# The same, where 0 means "none" (a task's jitter): `jitter = "0s"` is no mistake.
+NonNegativeDuration = Annotated[
+    float, BeforeValidator(parse_duration), Field(ge=0, le=MAX_DURATION, allow_inf_nan=False)
+]
+
 # PostgreSQL's integers (statement_timeout in milliseconds, counters compared in SQL).
 _PG_INT_MAX = 2**31 - 1
 _MAX_STATEMENT_TIMEOUT = _PG_INT_MAX / 1000
@@ -257,7 +262,7 @@ class PluginTaskSettings(Section):
     misfire: Literal["run_once", "skip"] = "run_once"
     # Each slot runs up to this much later, by an offset fixed per task (a hash of its
     # name): tasks on one period spread out instead of all firing at one instant.
-    jitter: Duration = Field(default=0.0, ge=0)
+    jitter: NonNegativeDuration = 0.0
     enabled: bool = True
     target: str | None = None
     sql: str | None = None

@@ -50,6 +50,12 @@ async def collect_status(store: Store, settings: Settings) -> dict[str, Any]:
         loops = await _sqlite_loops(store, settings)
     loops["publish"]["backlog"] = stats.due
     loops["publish"]["next_due"] = json_value(stats.next_due)
+    async with store.transaction(readonly=True) as tx:
+        [plugin] = await tx.query("plugin_stats")
+    # Schedules due, and how long the oldest has waited: how far behind the loop is.
+    loops["plugin"]["backlog"] = plugin["due"]
+    loops["plugin"]["lag"] = round(plugin["lag"] or 0.0, 3)
+    loops["plugin"]["next_due"] = json_value(plugin["next_run_at"])
     return {
         "database": str(settings.database_url),
         "backend": store.backend,
@@ -150,7 +156,7 @@ def _flock_held(path: os.PathLike[str]) -> bool:
 # What the summary keeps, level by level; everything else is left out. An allow-list, so a
 # field added to the full report later stays out of the network's view until added here.
 _SUMMARY_TOP = ("backend", "lock_mode", "schema_version", "publications", "loops")
-_SUMMARY_LOOP = ("lock_key", "lock_held", "standby_count", "backlog", "next_due")
+_SUMMARY_LOOP = ("lock_key", "lock_held", "standby_count", "backlog", "lag", "next_due")
 _SUMMARY_LEADER = ("instance", "since", "last_heartbeat", "heartbeat_age", "fencing_token")
 _SUMMARY_STANDBY = ("instance", "connected_since")
 
@@ -243,5 +249,10 @@ def render_status(report: dict[str, Any]) -> str:
                 f"{'':<10} backlog {info['backlog']} due, "
                 f"{report['publications']['scheduled']} scheduled, "
                 f"next due {info['next_due'] or '-'}"
+            )
+        elif "backlog" in info:
+            lines.append(
+                f"{'':<10} backlog {info['backlog']} schedules due, lag {info['lag']:g}s, "
+                f"next slot {info['next_due'] or '-'}"
             )
     return "\n".join(lines)

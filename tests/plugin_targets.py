@@ -132,6 +132,15 @@ async def slow(ctx: TaskContext) -> None:
     await asyncio.sleep(1.5)
 
 
+#: (name, args) of each run of `record_args` in this process (an in-process daemon's).
+ARGS: list[tuple[str, dict[str, Any]]] = []
+
+
+async def record_args(ctx: TaskContext) -> None:
+    """Records the arguments its schedule handed it: a runtime schedule's row's ``args``."""
+    ARGS.append((ctx.name, dict(ctx.args)))
+
+
 def _placeholders(tx: Tx, count: int) -> str:
     mark = "?" if isinstance(tx, SqliteTx) else "$"
     return ", ".join(f"{mark}{n}" for n in range(1, count + 1))

@@ -3,14 +3,26 @@
 Open one with :func:`scheduler_daemon.db.connect.connect`.
 """
 
-from .base import Publication, PublicationFilter, PublicationStats, ScheduleResult, Store
+from .base import (
+    AddedSchedule,
+    Publication,
+    PublicationFilter,
+    PublicationStats,
+    ScheduleDefinition,
+    ScheduleRecord,
+    ScheduleResult,
+    Store,
+)
 from .url import DatabaseUrl
 
 __all__ = [
+    "AddedSchedule",
     "DatabaseUrl",
     "Publication",
     "PublicationFilter",
     "PublicationStats",
+    "ScheduleDefinition",
+    "ScheduleRecord",
     "ScheduleResult",
     "Store",
 ]

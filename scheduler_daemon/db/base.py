@@ -7,7 +7,7 @@ for business logic; they branch on capability flags such as :attr:`Store.support
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -55,6 +55,71 @@ class PublicationStats:
     scheduled: int  # rows waiting, due or not
     due: int  # rows whose publish_at has passed by the database's clock (the backlog)
     next_due: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleRecord:
+    """A row of ``scheduler_plugin_tasks``: a runtime schedule (``target`` set: the row
+    says what to run) or a task the deployment declares (``target`` None: config, a
+    plugin or a built-in, whose definition lives in the deployment; for those the
+    definition columns keep their defaults and mean nothing). Fields are the columns."""
+
+    name: str
+    source: str  # "runtime", or where a declared task comes from: "config", "plugin:…", …
+    target: str | None
+    args: dict[str, Any]
+    schedule: str  # its description ("every 30s", "cron 0 3 * * * UTC jitter 5s")
+    every_seconds: float | None
+    cron: str | None
+    timezone: str
+    timeout_seconds: float
+    misfire: str
+    jitter_seconds: float
+    next_run_at: datetime
+    active: bool
+    paused: bool
+    trigger_requested_at: datetime | None
+    consecutive_failures: int
+    last_slot: datetime | None
+    last_started_at: datetime | None
+    last_finished_at: datetime | None
+    last_status: str | None
+    last_error: str | None
+    run_count: int
+    created_at: datetime
+    updated_at: datetime
+
+    @property
+    def runtime(self) -> bool:
+        """Added at runtime (by the application, the CLI or SQL), not declared."""
+        return self.target is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleDefinition:
+    """A runtime schedule as :meth:`Store.add_schedule` writes it, already validated
+    (``client.validate_runtime_schedule``)."""
+
+    name: str
+    target: str
+    args_json: str  # a JSON object
+    schedule: str  # the description, for ``tasks list``
+    every_seconds: float | None
+    cron: str | None
+    timezone: str
+    timeout_seconds: float
+    misfire: str
+    jitter_seconds: float
+    # The first slot: given by the caller, else computed from the database's clock by
+    # ``first_slot`` (the schedule's own first slot after that instant).
+    start: datetime | None
+    first_slot: Callable[[datetime], datetime]
+
+
+@dataclass(frozen=True, slots=True)
+class AddedSchedule:
+    schedule: ScheduleRecord
+    created: bool  # False: an existing runtime schedule was replaced (``replace=True``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +217,37 @@ class Store(Protocol):
         ...
 
     async def publication_stats(self) -> PublicationStats: ...
+
+    # Runtime schedules (rows of scheduler_plugin_tasks with a target: docs/plugins.md,
+    # "Schedules as data"); db/schedules.py holds the statements, for both backends.
+
+    async def add_schedule(
+        self, definition: ScheduleDefinition, *, replace: bool = False
+    ) -> AddedSchedule:
+        """Insert a runtime schedule. A name in use is refused (:class:`InvalidInput`),
+        unless ``replace`` and it is a runtime schedule: then its definition is updated,
+        keeping ``next_run_at`` unless the schedule (every, cron, timezone, jitter)
+        changed or ``start`` is given. A declared task's row is never touched. A target
+        the deployment does not declare runnable is refused (:class:`InvalidInput`)."""
+        ...
+
+    async def remove_schedule(self, name: str) -> ScheduleRecord:
+        """Delete a runtime schedule (a run in flight ends normally; its history stays).
+        :class:`NotFound` for an unknown name or a declared task."""
+        ...
+
+    async def get_schedule(self, name: str) -> ScheduleRecord | None:
+        """The row of that name, runtime or declared."""
+        ...
+
+    async def list_schedules(self) -> list[ScheduleRecord]:
+        """Every row, runtime and declared, by name. A read, like ``find_publications``."""
+        ...
+
+    async def set_schedule_paused(self, name: str, paused: bool) -> ScheduleRecord:
+        """Pause or resume (which also clears the failure count) a schedule or declared
+        task; :class:`NotFound` for an unknown name."""
+        ...
 
     def transaction(self, *, readonly: bool = False) -> AbstractAsyncContextManager[Tx]:
         """An unfenced transaction, for administration (the CLI), never for loop work.

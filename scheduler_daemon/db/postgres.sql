@@ -208,6 +208,15 @@ ORDER BY s.loop
 -- name: now
 SELECT now() AS now
 
+-- name: plugin_stats
+-- `status`: the plugin loop's backlog (schedules due), its lag (the oldest due slot's
+-- age) and the next slot, from the due index.
+SELECT count(*) AS due, extract(epoch FROM now() - min(next_run_at))::float8 AS lag,
+       (SELECT min(next_run_at) FROM scheduler_plugin_tasks
+        WHERE active AND NOT paused AND NOT (next_run_at <= now())) AS next_run_at
+FROM scheduler_plugin_tasks
+WHERE active AND NOT paused AND next_run_at <= now()
+
 -- name: plugin_declare
 -- A leader's first tick: the deployment's declared tasks (config, plugins, built-ins) as
 -- rows, each known task keeping its next_run_at (a restart must not reschedule) unless its
@@ -504,3 +513,81 @@ WHERE publication_id = $1 AND status = 'pending'
 -- name: outbox_next_in
 SELECT extract(epoch FROM min(next_attempt_at) - now())::float8 AS seconds
 FROM scheduler_webhook_outbox WHERE status = 'pending'
+
+-- Runtime schedules (docs/plugins.md, "Schedules as data"): what the application's API
+-- (client.py: Client and add_schedule_in), and the CLI's `tasks add|remove|show|list` run,
+-- through db/schedules.py, with named parameters. Never run by the loops. A runtime
+-- schedule is a row whose `target` is set; declared tasks (target NULL) are never written
+-- here, only read (and paused or resumed, as `tasks pause|resume` does).
+
+-- name: schedule_lookup
+-- What an add decides on, before it writes: the database's clock (an application's open
+-- transaction may be old: clock_timestamp(), not now()), whether the target is declared
+-- runnable (asked first, so that a refusal leaves an application's transaction usable;
+-- the trigger scheduler_plugin_tasks_target_check is the guarantee), and the row already
+-- holding the name, if any.
+SELECT clock_timestamp() AS now,
+       EXISTS (SELECT 1 FROM scheduler_runnable_targets WHERE target = :target::text)
+           AS runnable,
+       t.name AS existing, t.target AS existing_target, t.source AS existing_source
+FROM (SELECT 1) AS one
+LEFT JOIN scheduler_plugin_tasks t ON t.name = :name::text
+
+-- name: schedule_insert
+INSERT INTO scheduler_plugin_tasks
+    (name, source, target, args, schedule, every_seconds, cron, timezone, timeout_seconds,
+     misfire, jitter_seconds, next_run_at)
+VALUES (:name, 'runtime', :target, :args::text::jsonb, :schedule, :every_seconds, :cron,
+        :timezone, :timeout_seconds, :misfire, :jitter_seconds, :first)
+ON CONFLICT (name) DO NOTHING
+RETURNING name, source, target, args, schedule, every_seconds, cron, timezone,
+          timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
+          trigger_requested_at, consecutive_failures, last_slot, last_started_at,
+          last_finished_at, last_status, last_error, run_count, created_at, updated_at
+
+-- name: schedule_replace
+-- A runtime schedule's new definition. next_run_at stays unless the schedule itself
+-- changed (every, cron, timezone, jitter) or the caller gave a start (:reschedule); its
+-- paused state, counters and history stay. (UPDATEs see the old row in every expression.)
+UPDATE scheduler_plugin_tasks
+SET target = :target::text, args = :args::text::jsonb, schedule = :schedule::text,
+    every_seconds = :every_seconds::float8, cron = :cron::text, timezone = :timezone::text,
+    timeout_seconds = :timeout_seconds::float8, misfire = :misfire::text,
+    jitter_seconds = :jitter_seconds::float8,
+    next_run_at = CASE WHEN :reschedule::boolean
+                         OR every_seconds IS DISTINCT FROM :every_seconds::float8
+                         OR cron IS DISTINCT FROM :cron::text
+                         OR timezone <> :timezone::text
+                         OR jitter_seconds <> :jitter_seconds::float8
+                       THEN :first::timestamptz ELSE next_run_at END,
+    updated_at = now()
+WHERE name = :name::text AND target IS NOT NULL
+RETURNING name, source, target, args, schedule, every_seconds, cron, timezone,
+          timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
+          trigger_requested_at, consecutive_failures, last_slot, last_started_at,
+          last_finished_at, last_status, last_error, run_count, created_at, updated_at
+
+-- name: schedule_remove
+-- Runtime schedules only. A run in flight is not touched: it ends normally and records
+-- its result; with the row gone, nothing schedules the next one. Its history stays in
+-- scheduler_plugin_runs.
+DELETE FROM scheduler_plugin_tasks
+WHERE name = :name AND target IS NOT NULL
+RETURNING name, source, target, args, schedule, every_seconds, cron, timezone,
+          timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
+          trigger_requested_at, consecutive_failures, last_slot, last_started_at,
+          last_finished_at, last_status, last_error, run_count, created_at, updated_at
+
+-- name: schedule_get
+SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
+       timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
+       trigger_requested_at, consecutive_failures, last_slot, last_started_at,
+       last_finished_at, last_status, last_error, run_count, created_at, updated_at
+FROM scheduler_plugin_tasks WHERE name = :name
+
+-- name: schedules_list
+SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
+       timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
+       trigger_requested_at, consecutive_failures, last_slot, last_started_at,
+       last_finished_at, last_status, last_error, run_count, created_at, updated_at
+FROM scheduler_plugin_tasks ORDER BY name

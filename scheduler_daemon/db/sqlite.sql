@@ -96,6 +96,15 @@ FROM scheduler_leaders ORDER BY loop
 -- name: now
 SELECT strftime('%Y-%m-%dT%H:%M:%fZ', 'now') AS now
 
+-- name: plugin_stats
+-- `status`: the plugin loop's backlog (schedules due), its lag (the oldest due slot's
+-- age) and the next slot, from the due index.
+SELECT count(*) AS due, (julianday('now') - min(julianday(next_run_at))) * 86400.0 AS lag,
+       (SELECT min(next_run_at) FROM scheduler_plugin_tasks
+        WHERE active AND NOT paused AND NOT (julianday(next_run_at) <= julianday('now'))) AS next_run_at
+FROM scheduler_plugin_tasks
+WHERE active AND NOT paused AND julianday(next_run_at) <= julianday('now')
+
 -- name: plugin_declare
 CREATE TEMP TABLE IF NOT EXISTS scheduler_declared (
     name TEXT PRIMARY KEY, schedule TEXT, first TEXT, source TEXT,
@@ -169,30 +178,37 @@ SELECT 'outlook', strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), NULL,
        NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: plugin_claim
-UPDATE scheduler_plugin_tasks AS t
-SET next_run_at = json_extract(c.value, '$.next'),
-    trigger_requested_at = CASE
-        WHEN julianday(t.trigger_requested_at) = julianday(json_extract(c.value, '$.seen_trigger'))
-        THEN NULL ELSE t.trigger_requested_at END,
-    last_slot = coalesce(json_extract(c.value, '$.run_slot'), t.last_slot),
-    last_started_at = CASE WHEN json_extract(c.value, '$.run_slot') IS NULL
-                           THEN t.last_started_at ELSE strftime('%Y-%m-%dT%H:%M:%fZ', 'now') END,
-    last_status = CASE WHEN json_extract(c.value, '$.run_slot') IS NULL
-                       THEN t.last_status ELSE 'running' END,
-    run_count = t.run_count + (json_extract(c.value, '$.run_slot') IS NOT NULL),
-    updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
+CREATE TEMP TABLE IF NOT EXISTS scheduler_claimed (
+    name TEXT PRIMARY KEY, next TEXT, seen_trigger TEXT, run_slot TEXT, skip_slot TEXT);
+DELETE FROM temp.scheduler_claimed;
+INSERT INTO temp.scheduler_claimed (name, next, seen_trigger, run_slot, skip_slot)
+SELECT t.name, json_extract(c.value, '$.next'), json_extract(c.value, '$.seen_trigger'),
+       json_extract(c.value, '$.run_slot'), json_extract(c.value, '$.skip_slot')
 FROM json_each(:claims) AS c
-WHERE t.name = json_extract(c.value, '$.name')
-  AND julianday(t.next_run_at) = julianday(json_extract(c.value, '$.seen_next'));
+JOIN scheduler_plugin_tasks t
+  ON t.name = json_extract(c.value, '$.name')
+ AND julianday(t.next_run_at) = julianday(json_extract(c.value, '$.seen_next'))
+WHERE true
+ON CONFLICT (name) DO NOTHING;
+UPDATE scheduler_plugin_tasks AS t
+SET next_run_at = c.next,
+    trigger_requested_at = CASE
+        WHEN julianday(t.trigger_requested_at) = julianday(c.seen_trigger) THEN NULL
+        ELSE t.trigger_requested_at END,
+    last_slot = coalesce(c.run_slot, t.last_slot),
+    last_started_at = CASE WHEN c.run_slot IS NULL THEN t.last_started_at ELSE strftime('%Y-%m-%dT%H:%M:%fZ', 'now') END,
+    last_status = CASE WHEN c.run_slot IS NULL THEN t.last_status ELSE 'running' END,
+    run_count = t.run_count + (c.run_slot IS NOT NULL),
+    updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
+FROM temp.scheduler_claimed AS c
+WHERE t.name = c.name;
 INSERT INTO scheduler_plugin_runs (name, slot, instance, status, finished_at)
 SELECT name, slot, :instance, status, CASE WHEN status = 'running' THEN NULL ELSE strftime('%Y-%m-%dT%H:%M:%fZ', 'now') END
-FROM (SELECT json_extract(c.value, '$.name') AS name,
-             json_extract(c.value, '$.run_slot') AS slot, 'running' AS status
-      FROM json_each(:claims) AS c WHERE json_extract(c.value, '$.run_slot') IS NOT NULL
+FROM (SELECT name, run_slot AS slot, 'running' AS status
+      FROM temp.scheduler_claimed WHERE run_slot IS NOT NULL
       UNION ALL
-      SELECT json_extract(c.value, '$.name'), json_extract(c.value, '$.skip_slot'),
-             'skipped_overlap'
-      FROM json_each(:claims) AS c WHERE json_extract(c.value, '$.skip_slot') IS NOT NULL)
+      SELECT name, skip_slot, 'skipped_overlap'
+      FROM temp.scheduler_claimed WHERE skip_slot IS NOT NULL)
 WHERE true
 ON CONFLICT DO NOTHING
 RETURNING id, name, slot, status;
@@ -349,3 +365,64 @@ WHERE publication_id = ?1 AND status = 'pending'
 -- name: outbox_next_in
 SELECT (min(julianday(next_attempt_at)) - julianday('now')) * 86400.0 AS seconds
 FROM scheduler_webhook_outbox WHERE status = 'pending'
+
+-- Runtime schedules: the same names, parameters and results as postgres.sql (see there).
+
+-- name: schedule_lookup
+SELECT strftime('%Y-%m-%dT%H:%M:%fZ', 'now') AS now,
+       EXISTS (SELECT 1 FROM scheduler_runnable_targets WHERE target = :target) AS runnable,
+       t.name AS existing, t.target AS existing_target, t.source AS existing_source
+FROM (SELECT 1) AS one
+LEFT JOIN scheduler_plugin_tasks t ON t.name = :name
+
+-- name: schedule_insert
+INSERT INTO scheduler_plugin_tasks
+    (name, source, target, args, schedule, every_seconds, cron, timezone, timeout_seconds,
+     misfire, jitter_seconds, next_run_at)
+VALUES (:name, 'runtime', :target, json(:args), :schedule, :every_seconds, :cron,
+        :timezone, :timeout_seconds, :misfire, :jitter_seconds, :first)
+ON CONFLICT (name) DO NOTHING
+RETURNING name, source, target, args, schedule, every_seconds, cron, timezone,
+          timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
+          trigger_requested_at, consecutive_failures, last_slot, last_started_at,
+          last_finished_at, last_status, last_error, run_count, created_at, updated_at
+
+-- name: schedule_replace
+UPDATE scheduler_plugin_tasks
+SET target = :target, args = json(:args), schedule = :schedule,
+    every_seconds = :every_seconds, cron = :cron, timezone = :timezone,
+    timeout_seconds = :timeout_seconds, misfire = :misfire, jitter_seconds = :jitter_seconds,
+    next_run_at = CASE WHEN :reschedule
+                         OR every_seconds IS NOT :every_seconds
+                         OR cron IS NOT :cron
+                         OR timezone <> :timezone
+                         OR jitter_seconds <> :jitter_seconds
+                       THEN :first ELSE next_run_at END,
+    updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
+WHERE name = :name AND target IS NOT NULL
+RETURNING name, source, target, args, schedule, every_seconds, cron, timezone,
+          timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
+          trigger_requested_at, consecutive_failures, last_slot, last_started_at,
+          last_finished_at, last_status, last_error, run_count, created_at, updated_at
+
+-- name: schedule_remove
+DELETE FROM scheduler_plugin_tasks
+WHERE name = :name AND target IS NOT NULL
+RETURNING name, source, target, args, schedule, every_seconds, cron, timezone,
+          timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
+          trigger_requested_at, consecutive_failures, last_slot, last_started_at,
+          last_finished_at, last_status, last_error, run_count, created_at, updated_at
+
+-- name: schedule_get
+SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
+       timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
+       trigger_requested_at, consecutive_failures, last_slot, last_started_at,
+       last_finished_at, last_status, last_error, run_count, created_at, updated_at
+FROM scheduler_plugin_tasks WHERE name = :name
+
+-- name: schedules_list
+SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
+       timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
+       trigger_requested_at, consecutive_failures, last_slot, last_started_at,
+       last_finished_at, last_status, last_error, run_count, created_at, updated_at
+FROM scheduler_plugin_tasks ORDER BY name
