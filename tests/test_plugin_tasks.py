@@ -419,10 +419,19 @@ def test_jitter_is_a_fixed_offset_per_name_within_its_bound() -> None:
 
     now = datetime(2027, 3, 1, 12, 0, 40, tzinfo=UTC)  # past the jitter of 12:00
     offset = jitter_offset("feed-7", 30.0)
+    # Intervals: on a grid of whole periods from the epoch plus the offset, whatever the
+    # first slot was (rows inserted at one instant spread out after their first run).
     every = with_jitter(Every(60), "feed-7", 30.0)
     first = every.first(now)
-    assert first == now + offset
+    assert first == datetime(2027, 3, 1, 12, 1, tzinfo=UTC) + offset
     assert every.next_after(first) == first + timedelta(seconds=60)
+    assert every.first(first) == first
+    assert every.next_after(now) == first  # from an unjittered slot, onto the grid
+    assert every.first_after(first, first + timedelta(minutes=5, seconds=1)) == (
+        first + timedelta(minutes=6)
+    )
+    phases = {with_jitter(Every(10), f"t{i}", 10).next_after(now) for i in range(100)}
+    assert len(phases) > 90  # one instant in, a hundred phases out
     cron = with_jitter(Cron("*/5 * * * *", "UTC"), "feed-7", 30.0)
     slot = cron.first(now)
     assert slot == datetime(2027, 3, 1, 12, 5, tzinfo=UTC) + offset

@@ -83,6 +83,10 @@ RESULT_ATTEMPTS = 3
 MISFIRE_LINES = 10
 # How often the lagging warning may repeat while the loop stays behind.
 LAG_WARNING_EVERY = 10.0
+# The shortest time between two ticks' starts: slots that fall due within it are claimed
+# together (one transaction for all of them, not one each), for at most this much more
+# lateness. 1,000 slots a second spread evenly cost 50 ticks a second, not 1,000.
+TICK_SPACING = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +127,7 @@ class TickPlan:
     refused: dict[str, str] = field(default_factory=dict)  # name -> why it cannot run
     misfired: list[tuple[str, datetime, datetime]] = field(default_factory=list)
     waiting: bool = False  # something due waits for a free place or a run's end
+    held: bool = False  # something due waits for its last run's result to be written
     unknown: bool = False  # a declared task another deployment declares: not ours
 
 
@@ -159,6 +164,11 @@ class PluginWork:
         self._runtime: dict[tuple[str, Any], TaskSpec] = {}  # built from rows, reused
         self._sweep = False  # results were dropped: abandon their runs next tick
         self._written: set[int] = set()  # run ids whose results are written (per batch)
+        # Wake-ups worth a tick: a place freed while something waited for one, results
+        # written while something due waited for them (any other is a tick for nothing).
+        self._want_place = False
+        self._want_results = False
+        self._last_tick = 0.0
         self._lag_warned = 0.0
 
     # -- the tick ------------------------------------------------------------------------
@@ -166,6 +176,10 @@ class PluginWork:
     async def tick(self, tick: Tick) -> float | None:
         starts: list[Start] = []
         hold: PendingHold | None = None
+        spacing = self._last_tick + TICK_SPACING - time.monotonic()
+        if spacing > 0:
+            await asyncio.sleep(spacing)
+        self._last_tick = time.monotonic()
         if self.listener is not None:
             # Before the read below, so that no change after it goes unheard.
             if self._lease is not tick.lease:
@@ -186,8 +200,10 @@ class PluginWork:
                 if taking_over or not self.sticky or self._sweep:
                     self._sweep = False
                     await self._abandon(store, tick.log)
-                limit = self._free() + len(self.running)
-                batch = await store.due(limit=max(limit, 1), busy=self.unrecorded)
+                # Schedules in flight are read too (their slot is skipped as overlapping),
+                # and those whose result is not written yet (they wait for it).
+                limit = max(1, self._free() + len(self.running) + len(self.unrecorded))
+                batch = await store.due(limit=limit, busy=())
                 clock = Clock(batch.now, time.monotonic())
                 plan_ = self._plan(batch)
                 if plan_.unknown:
@@ -200,6 +216,10 @@ class PluginWork:
                     claimed = await store.claim(self.settings.instance_id, plan_.claims)
                     starts = self._starts(plan_, claimed, tick.log)
                 self._report(batch, plan_, tick.log)
+                # More may be due than this tick read: any place or result counts.
+                truncated = len(batch.due) >= limit
+                self._want_place = plan_.waiting or truncated
+                self._want_results = plan_.held or truncated
                 wake = self._next_wake(batch, plan_, limit)
                 if starts:
                     hold = await tick.lease.hold_after(tx)
@@ -247,6 +267,9 @@ class PluginWork:
                 continue
             if isinstance(spec, str):
                 result.refused[due.name] = spec
+                continue
+            if due.name in self.unrecorded and due.name not in self.running:
+                result.held = True  # claimed once its last result is written
                 continue
             busy = due.name in self.running
             is_sync = spec.target is not None and not spec.is_async
@@ -343,9 +366,9 @@ class PluginWork:
             )  # fmt: skip
 
     def _next_wake(self, batch: DueBatch, plan_: TickPlan, limit: int) -> float | None:
-        if len(batch.due) >= max(limit, 1) and self._free() - len(plan_.specs) > 0:
+        if len(batch.due) >= limit and self._free() - len(plan_.specs) > 0:
             return 0.0  # more may be due than this tick read, and places are left
-        if plan_.waiting or len(batch.due) >= max(limit, 1):
+        if plan_.waiting or plan_.held or len(batch.due) >= limit:
             # What is due waits for a place: the next to free (a run that ends, a result
             # written) wakes the loop.
             return None
@@ -519,7 +542,9 @@ class PluginWork:
                         self._written.add(ended.result.id)
                     buffered = []
                     attempts = 0
-                    self.wake()  # their schedules may be due again
+                    if self._want_results:  # a schedule of theirs was due meanwhile
+                        self._want_results = False
+                        self.wake()
         finally:
             lost.cancel()
 
@@ -568,7 +593,9 @@ class PluginWork:
         if self.running.get(name) is task:
             del self.running[name]
             self._sync_running.discard(name)
-            self.wake()  # a place is free: something due may be waiting for it
+            if self._want_place:  # something due waits for a place
+                self._want_place = False
+                self.wake()
 
     async def _run(self, start: Start, hold: Lease, clock: Clock, log: Logger) -> Ended:
         spec = start.spec

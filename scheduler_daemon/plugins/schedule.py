@@ -117,7 +117,13 @@ def jitter_offset(name: str, jitter: float) -> timedelta:
 
 @dataclass(frozen=True, slots=True)
 class Jittered:
-    """``base``'s slots, each ``offset`` later (see :func:`jitter_offset`)."""
+    """``base``'s slots, each ``offset`` later (see :func:`jitter_offset`).
+
+    A cron schedule's slots are its expression's instants plus the offset. An interval
+    schedule's are put on a grid of their own: whole periods from the Unix epoch plus the
+    offset. So schedules created at one instant (a bulk INSERT, whose rows all default to
+    ``now()``) run together at most once, their first slot, and then each on its own phase,
+    however their first slot was set."""
 
     base: Every | Cron
     offset: timedelta
@@ -125,17 +131,33 @@ class Jittered:
 
     def first(self, now: datetime) -> datetime:
         if isinstance(self.base, Every):
-            return now + self.offset
+            return self._on_grid(now, strictly_after=False)
         return self.next_after(now)
 
     def next_after(self, slot: datetime) -> datetime:
+        if isinstance(self.base, Every):
+            return self._on_grid(slot, strictly_after=True)
         return self.base.next_after(slot - self.offset) + self.offset
 
     def first_after(self, slot: datetime, now: datetime) -> datetime:
+        if isinstance(self.base, Every):
+            return self._on_grid(now, strictly_after=True)
         return self.base.first_after(slot - self.offset, now - self.offset) + self.offset
+
+    def _on_grid(self, instant: datetime, strictly_after: bool) -> datetime:
+        assert isinstance(self.base, Every)
+        step = self.base.step
+        origin = _EPOCH + self.offset % step
+        periods, rest = divmod(instant - origin, step)
+        if rest or strictly_after:
+            periods += 1
+        return origin + step * periods
 
     def describe(self) -> str:
         return f"{self.base.describe()} jitter {self.jitter:g}s"
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def with_jitter(base: Every | Cron, name: str, jitter: float) -> Schedule:

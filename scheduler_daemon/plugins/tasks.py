@@ -54,18 +54,16 @@ class TaskSpec:
     # How the target is named ("pkg.mod:func"): what a runtime schedule names to run it.
     target_path: str | None = None
 
-    @property
-    def is_async(self) -> bool:
-        return self.target is not None and inspect.iscoroutinefunction(self.target)
+    # Looked at once, not per run (inspect.signature is a good part of a no-op run's cost).
+    is_async: bool = field(init=False, repr=False, compare=False)
+    wants_context: bool = field(init=False, repr=False, compare=False)
 
-    @property
-    def wants_context(self) -> bool:
-        if self.target is None:
-            return False
-        try:
-            return bool(inspect.signature(self.target).parameters)
-        except (TypeError, ValueError):
-            return True
+    def __post_init__(self) -> None:
+        target = self.target
+        object.__setattr__(
+            self, "is_async", target is not None and inspect.iscoroutinefunction(target)
+        )
+        object.__setattr__(self, "wants_context", _wants_context(target))
 
     async def call(self, ctx: TaskContext) -> None:
         """Run an async target on the event loop (sync targets run in a worker process:
@@ -73,6 +71,15 @@ class TaskSpec:
         assert self.target is not None
         assert self.is_async
         await self.target(*((ctx,) if self.wants_context else ()))
+
+
+def _wants_context(target: Target | None) -> bool:
+    if target is None:
+        return False
+    try:
+        return bool(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        return True
 
 
 def import_target(path: str) -> Target:
