@@ -21,6 +21,7 @@ BENCHMARKS = [
     "idle",
     "peers",
     "growth",
+    "scale",
 ]
 
 parser = argparse.ArgumentParser(prog="python -m bench")
