@@ -96,7 +96,12 @@ class Lease(Protocol):
         been evicted meanwhile (False after a freeze longer than the step-down bound)."""
         ...
 
-    def transaction(self) -> AbstractAsyncContextManager[Tx]: ...
+    def transaction(self, *, only_ours: bool = False) -> AbstractAsyncContextManager[Tx]:
+        """A fenced transaction. ``only_ours``: nothing but the daemon's own statements run
+        in it (a loop's bookkeeping, never a task's or a publisher's SQL), so nothing in it
+        can release the lock: a guard may spare the round trips that protect the lock from
+        such SQL (session mode's savepoint and restore)."""
+        ...
 
     async def run_tick(self, tick: Callable[[], Awaitable[T]]) -> T: ...
 
@@ -286,7 +291,7 @@ class LeaseState:
             raise LeadershipLost(self.reason or "lost")
         return task.result()
 
-    def transaction(self) -> AbstractAsyncContextManager[Tx]:
+    def transaction(self, *, only_ours: bool = False) -> AbstractAsyncContextManager[Tx]:
         raise NotImplementedError  # each guard's lease fences its own way
 
     def hold(self) -> AbstractAsyncContextManager[Lease]:

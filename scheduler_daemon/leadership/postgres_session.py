@@ -138,7 +138,7 @@ class SessionLease(LeaseState):
         self.gate = asyncio.Lock()
 
     @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[PgTx]:
+    async def transaction(self, *, only_ours: bool = False) -> AsyncIterator[PgTx]:
         """A transaction on the lock connection, fenced twice over: it cannot commit once
         the session is gone, and SQL run inside it cannot release the lock.
 
@@ -150,7 +150,12 @@ class SessionLease(LeaseState):
         transaction-level hold still keeps it.
 
         The same first statement reads the schema version: on a schema newer than this
-        build knows the transaction does nothing (:class:`SchemaNewer`; schema_gate.py)."""
+        build knows the transaction does nothing (:class:`SchemaNewer`; schema_gate.py).
+
+        ``only_ours`` (the loops' own bookkeeping): no user SQL runs, nothing can release
+        the session lock, so neither the savepoint nor the restore is needed: three round
+        trips of a tick's eight. The transaction-level hold still keeps the lock ours until
+        the commit, which still fails if the session is gone."""
         async with self.conn_lock:
             if self.lost.is_set():
                 raise LeadershipLost(self.reason or "lost")
@@ -162,6 +167,9 @@ class SessionLease(LeaseState):
                     self._fence_broken("the lock connection no longer holds the lock")
                 self.last_proven = sent  # as good as a heartbeat
                 self.schema.check(fence["schema_version"], self.log, "fence")
+                if only_ours:
+                    yield PgTx(self.conn, self.fencing_token, self.gate)
+                    return
                 try:
                     async with gated_transaction(self.conn, self.gate):
                         yield PgTx(self.conn, self.fencing_token, self.gate)

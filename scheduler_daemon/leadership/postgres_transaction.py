@@ -158,7 +158,7 @@ class TransactionLease(LeaseState):
         return not self.lost.is_set()
 
     @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[PgTx]:
+    async def transaction(self, *, only_ours: bool = False) -> AsyncIterator[PgTx]:
         async with (
             self.guard.store.pool.acquire() as conn,
             conn.transaction(isolation=FENCED_ISOLATION),
@@ -341,7 +341,7 @@ class TransactionHold(LeaseState):
         return True
 
     @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[PgTx]:
+    async def transaction(self, *, only_ours: bool = False) -> AsyncIterator[PgTx]:
         async with self.conn_lock:
             if self.lost.is_set():
                 raise LeadershipLost(self.reason or "lost")

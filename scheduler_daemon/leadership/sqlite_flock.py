@@ -62,7 +62,7 @@ class FlockLease(LeaseState):
         return not self.lost.is_set()
 
     @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[SqliteTx]:
+    async def transaction(self, *, only_ours: bool = False) -> AsyncIterator[SqliteTx]:
         async with self.store.write_transaction() as conn:
             # Under the file's write lock, as a migration runs: one that committed first
             # is seen, and none can start until this transaction ends (schema_gate.py).

@@ -187,7 +187,7 @@ class PluginWork:
             else:
                 await self.listener.ensure()
         try:
-            async with tick.lease.transaction() as tx:
+            async with tick.lease.transaction(only_ours=True) as tx:
                 store = PluginStore(tx)
                 taking_over = self._lease is not tick.lease
                 if taking_over:
@@ -564,7 +564,7 @@ class PluginWork:
         # `history` and `history` + that many rows.
         keep = self.settings.plugin.history
         every = max(1, min(100, keep))
-        async with hold.transaction() as tx:
+        async with hold.transaction(only_ours=True) as tx:
             store = PluginStore(tx)
             finished = await store.finish([e.result for e in ended], limit)
             trim = [f.name for f in finished if f.run_count % every == 0]
