@@ -1,4 +1,5 @@
-"""Our daemon beside real peers, the same job in the same run (issue 12, items 3 and 4).
+"""Our daemon beside real peers, the same job in the same run (issue 12, items 3 and 4;
+issue 19: many schedules).
 
 Contestants, each running three processes against a database of its own on the durable
 throwaway cluster:
@@ -68,22 +69,56 @@ Over the window:
   stime from /proc, the process and its children) and RSS / PSS per process; ERROR
   lines in the server log in the window, attributed like the statements.
 
-    python -m bench.peers [--quick] [--out DIR]
+**Many schedules** (issue 19; results in ``peers_scale.json`` / ``.md``): N = 1,000 and
+10,000 schedules every 10 s (quick: 1,000), a no-op async job
+(``bench/peers/scalejob.py``) that appends one line per run — schedule, slot (the
+scheduled instant as the peer hands it to the job), start (wall clock), pid — to a file
+per process. Three processes per contestant; contestants one after another, each on a
+database of its own:
 
-The processes' logs and run files go to a temporary directory, or to
-``$BENCH_PEERS_WORKDIR`` to keep them. ``--quick`` (one kill each, 1 and 3 idle
-processes, 10 s windows) takes about two minutes; the full run about seven.
+- **ours**: runtime schedule rows (``scheduler_plugin_tasks``, target ``scalejob:ours``
+  in ``plugin.runnable``; the harness writes it into scheduler_runnable_targets as the
+  owner first, as a take-over would), schedule i's slots at T0 + i * 10 s / N + k * 10 s,
+  one INSERT; ``run --only plugin``, defaults;
+- **apscheduler** / **apscheduler-unlimited**: ``add_schedule`` with an
+  ``IntervalTrigger(seconds=10, start_time=T0 + i * 10 s / N)``, by a setup process
+  before the schedulers start (``bench/peers/apscheduler_scale.py``); defaults, then
+  ``max_running_jobs = None`` (the default is 1 per task, and all schedules share one
+  task);
+- **procrastinate** / **procrastinate-c100**: the periodic tasks are code, so every worker
+  declares all N (``bench/peers/procrastinate_scale.py``), on whole seconds (the ten
+  phases of the period); worker defaults (concurrency 1), then concurrency 100.
+
+Once every process is up (ours: a plugin leader recorded; a peer: each process's ready
+file), at least one period of warm-up, then a window of 3 periods (quick: 1); the
+processes are stopped 5 s after it. Per contestant and N: runs/s (runs that started in
+the window) against N / 10 s, lateness (start - slot) p50/p99/max of each window slot's
+first run, window slots not run by the stop, schedules with no run in the window,
+duplicates (runs of a (schedule, slot) beyond the first, whole run), CPU of the three
+process trees (utime + stime, /proc) and of their lasting database backends over the
+window, commits/s, the load average.
+
+    python -m bench.peers [--quick] [--out DIR] [--part all|trials|scale]
+                          [--scale-contestants NAME ...] [--scale-counts N ...]
+
+``--part trials`` runs the kill trial and idle cost (``peers.*``), ``--part scale`` the
+many-schedules comparison (``peers_scale.*``); both by default. The processes' logs and
+run files go to a temporary directory, or to ``$BENCH_PEERS_WORKDIR`` to keep them.
+``--quick`` (one kill each, 1 and 3 idle processes, 10 s windows; 1,000 schedules for a
+10 s window) takes about four minutes; the full run about twenty.
 
 Numbers depend on the machine (2 cores here, shared): compare the rows of one run.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import importlib.util
 import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -92,18 +127,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import asyncpg
 
 from bench.common import (
+    RESULTS,
     ROOT,
     admin_dsn,
-    bench_arguments,
     create_database,
     drop_database,
     fresh_database,
@@ -394,7 +430,11 @@ async def grow(arena: Arena, count: int) -> None:
         arena.spawn()
 
 
-async def stop_all(arenas: Sequence[Arena], within: float = 15.0) -> None:
+class Running(Protocol):
+    def live(self) -> list[subprocess.Popen[bytes]]: ...
+
+
+async def stop_all(arenas: Sequence[Running], within: float = 15.0) -> None:
     """SIGTERM every live process; SIGKILL what has not exited `within` seconds later."""
     processes = [p for arena in arenas for p in arena.live()]
     for process in processes:
@@ -1364,6 +1404,509 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
     return written
 
 
+# -- many schedules ---------------------------------------------------------------------------
+
+SCALE_PERIOD = 10.0  # s: every schedule runs every 10 s
+SCALE_PROCESSES = 3
+SCALE_GRACE = 5.0  # s after the window before the processes are stopped
+SCALE_LEAD = 5.0  # s from inserting our rows to their first slots
+ON_GRID = 0.01  # s: a recorded slot this close to one of its schedule's slots is that slot
+SCALE_DB = "bench_peers_scale_{}"
+
+
+@dataclass(frozen=True)
+class ScaleContestant:
+    name: str
+    label: str
+    venv: str | None  # a PEER_ENVS key, or None for our daemon
+    script: str | None
+    options: tuple[str, ...] = ()
+
+
+SCALE_CONTESTANTS = (
+    ScaleContestant("ours", "ours (scheduler-daemon, defaults)", None, None),
+    ScaleContestant(
+        "apscheduler", "APScheduler 4, defaults", "apscheduler", "apscheduler_scale.py"
+    ),
+    ScaleContestant(
+        "apscheduler-unlimited",
+        "APScheduler 4, max_running_jobs None",
+        "apscheduler",
+        "apscheduler_scale.py",
+        ("--unlimited",),
+    ),
+    ScaleContestant(
+        "procrastinate", "procrastinate, defaults", "procrastinate", "procrastinate_scale.py"
+    ),
+    ScaleContestant(
+        "procrastinate-c100",
+        "procrastinate, concurrency 100",
+        "procrastinate",
+        "procrastinate_scale.py",
+        ("--concurrency", "100"),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class ScaleSizes:
+    counts: tuple[int, ...] = (1_000, 10_000)
+    periods: int = 3  # the window: this many periods of 10 s
+    ready_within: float = 180.0
+
+
+QUICK_SCALE = ScaleSizes(counts=(1_000,), periods=1)
+
+
+@dataclass
+class ScaleArena:
+    """One contestant with `count` schedules: its database, directory and processes."""
+
+    contestant: ScaleContestant
+    count: int
+    dsn: str
+    workdir: Path
+    python: str
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.workdir / "runs"
+
+    def environment(self) -> dict[str, str]:
+        return {
+            "PYTHONPATH": str(HELPERS),
+            "PEER_DSN": self.dsn,
+            "PEER_RUNS_DIR": str(self.runs_dir),
+            "PEER_CONTESTANT": self.contestant.name,
+        }
+
+    def peer_command(self, *arguments: str) -> list[str]:
+        assert self.contestant.script is not None
+        return [self.python, str(HELPERS / self.contestant.script), self.dsn, *arguments]
+
+    def peer_environment(self) -> dict[str, str]:
+        outside = {k: v for k, v in os.environ.items() if not k.startswith("SCHEDULER_")}
+        return outside | self.environment()
+
+    def spawn(self) -> subprocess.Popen[bytes]:
+        workdir = self.workdir / f"p{len(self.processes) + 1}"
+        workdir.mkdir(parents=True, exist_ok=True)
+        if self.contestant.script is None:
+            config = self.workdir / "scale.toml"
+            env = self.environment() | {"SCHEDULER_CONFIG": str(config)}
+            process = start_daemon(self.dsn, workdir, only="plugin", env=env)
+        else:
+            name = self.contestant.name
+            arguments = (
+                ["--run"] if name.startswith("apscheduler") else ["--count", str(self.count)]
+            )
+            with (workdir / "peer.log").open("ab") as log:
+                process = subprocess.Popen(
+                    self.peer_command(*arguments, *self.contestant.options),
+                    env=self.peer_environment(),
+                    cwd=workdir,
+                    stdout=subprocess.DEVNULL,
+                    stderr=log,
+                )
+        self.processes.append(process)
+        return process
+
+    def live(self) -> list[subprocess.Popen[bytes]]:
+        return [p for p in self.processes if p.poll() is None]
+
+
+async def helper(arena: ScaleArena, log_name: str, *arguments: str) -> float:
+    """Run the contestant's helper script once (a setup step); returns its seconds."""
+    began = time.monotonic()
+    with (arena.workdir / log_name).open("ab") as log:
+        process = await asyncio.create_subprocess_exec(
+            *arena.peer_command(*arguments),
+            env=arena.peer_environment(),
+            stdout=log,
+            stderr=log,
+        )
+        if await process.wait() != 0:
+            raise RuntimeError(f"{arena.contestant.name}: {arguments[0]} failed; see {log.name}")
+    return time.monotonic() - began
+
+
+async def scale_setup(arena: ScaleArena) -> tuple[float, list[float], float]:
+    """Create the schedules; returns T0 (epoch s), each schedule's offset from T0 (its
+    first slot is T0 + offset, then every period) and the seconds the setup took."""
+    name, count, period = arena.contestant.name, arena.count, SCALE_PERIOD
+    spread = [i * period / count for i in range(count)]
+    began = time.monotonic()
+    if name == "ours":
+        (arena.workdir / "scale.toml").write_text(
+            "[plugin]\nentry_points = false\n"
+            'disabled = ["purge_publications"]\nrunnable = ["scalejob:ours"]\n'
+        )
+        conn = await asyncpg.connect(arena.dsn)
+        try:
+            # As a leader's take-over would: the trigger refuses targets not listed.
+            await conn.execute(
+                "INSERT INTO scheduler_runnable_targets (target) VALUES ('scalejob:ours')"
+            )
+            t0 = time.time() + SCALE_LEAD
+            await conn.execute(
+                "INSERT INTO scheduler_plugin_tasks (name, target, every_seconds, next_run_at) "
+                "SELECT 's' || lpad(i::text, 5, '0'), 'scalejob:ours', $2, "
+                "to_timestamp($3::float8 + i * $2::float8 / $1) "
+                "FROM generate_series(0, $1 - 1) i",
+                count,
+                period,
+                t0,
+            )
+            await conn.execute("VACUUM ANALYZE scheduler_plugin_tasks")
+        finally:
+            await conn.close()
+        return t0, spread, time.monotonic() - began
+    if name.startswith("apscheduler"):
+        # Schedules added before the schedulers start, their first slots a little after
+        # the adds should end (a late first slot runs at once, in the warm-up).
+        t0 = time.time() + 3.0 + count / 400
+        await helper(
+            arena,
+            "add.log",
+            "--add",
+            str(count),
+            "--t0",
+            f"{t0:.6f}",
+            "--period",
+            f"{period:g}",
+            *arena.contestant.options,
+        )
+        return t0, spread, time.monotonic() - began
+    # procrastinate: the periodic tasks are code (every worker declares all N); whole
+    # seconds only, so the ten phases of a 10 s period, on the wall clock's grid.
+    await helper(arena, "schema.log", "--apply-schema")
+    t0 = math.floor(time.time() / period) * period
+    return t0, [float(i % int(period)) for i in range(count)], time.monotonic() - began
+
+
+async def scale_ready(arena: ScaleArena, within: float) -> None:
+    """Ours: a plugin leader is recorded (and a moment for its take-over tick); a peer:
+    every process wrote its ready file (its schedules declared or its scheduler up)."""
+    deadline = time.monotonic() + within
+    conn = await asyncpg.connect(arena.dsn)
+    try:
+        while time.monotonic() < deadline:
+            if len(arena.live()) < len(arena.processes):
+                raise RuntimeError(f"{arena.contestant.name}: a process died; see {arena.workdir}")
+            if arena.contestant.script is None:
+                if await conn.fetchval(
+                    "SELECT count(*) FROM scheduler_leaders WHERE loop = 'plugin'"
+                ):
+                    await asyncio.sleep(1.0)
+                    return
+            elif len(list(arena.runs_dir.glob("*.ready"))) >= len(arena.processes):
+                return
+            await asyncio.sleep(0.2)
+    finally:
+        await conn.close()
+    raise RuntimeError(f"{arena.contestant.name}: not ready within {within:g} s")
+
+
+async def until(epoch: float) -> None:
+    await asyncio.sleep(max(0.0, epoch - time.time()))
+
+
+async def database_backends(admin: str, datname: str) -> list[int]:
+    conn = await asyncpg.connect(admin)
+    try:
+        rows = await conn.fetch(
+            "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND backend_type = 'client backend'",
+            datname,
+        )
+        return [r["pid"] for r in rows]
+    finally:
+        await conn.close()
+
+
+async def database_commits(admin: str, datname: str) -> int:
+    conn = await asyncpg.connect(admin)
+    try:
+        await conn.execute("SELECT pg_stat_clear_snapshot()")
+        value: int = await conn.fetchval(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = $1", datname
+        )
+        return value
+    finally:
+        await conn.close()
+
+
+def read_slots(runs_dir: Path) -> list[tuple[str, float, float, int]]:
+    """Every (schedule, slot, start, pid) line of the per-process files."""
+    records = []
+    for path in runs_dir.glob("*.slots"):
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 4:
+                records.append((parts[0], float(parts[1]), float(parts[2]), int(parts[3])))
+    return records
+
+
+def tally_slots(
+    records: Sequence[tuple[str, float, float, int]],
+    t0: float,
+    offsets: Sequence[float],
+    first: int,
+    periods: int,
+    window: tuple[float, float],
+) -> dict[str, Any]:
+    """Slot k of schedule i is T0 + offset_i + k * period; the window's slots are k in
+    [first, first + periods). Runs per slot (duplicates: a slot run more than once, over
+    the whole run), the window's slots not run, lateness = start - slot of each window
+    slot's first run, and the runs that *started* in the wall-clock window."""
+    count = len(offsets)
+    runs: Counter[tuple[int, int]] = Counter()
+    started: dict[tuple[int, int], float] = {}
+    off_grid = 0
+    in_window = 0
+    by_process: Counter[int] = Counter()
+    for schedule, slot, start, pid in records:
+        if window[0] <= start < window[1]:
+            in_window += 1
+            by_process[pid] += 1
+        i = int(schedule.lstrip("s"))
+        base = t0 + offsets[i]
+        k = round((slot - base) / SCALE_PERIOD)
+        if abs(slot - (base + k * SCALE_PERIOD)) > ON_GRID:
+            off_grid += 1
+            continue
+        runs[(i, k)] += 1
+        started[(i, k)] = min(start, started.get((i, k), math.inf))
+    wanted = range(first, first + periods)
+    ran = [key for key in runs if key[1] in wanted]
+    late = [started[(i, k)] - (t0 + offsets[i] + k * SCALE_PERIOD) for i, k in ran]
+    seconds = window[1] - window[0]
+    return {
+        "runs_recorded": len(records),
+        "runs_per_s_needed": count / SCALE_PERIOD,
+        "runs_per_s": in_window / seconds,
+        "slots_expected": count * periods,
+        "slots_ran": len(ran),
+        "slots_not_run": count * periods - len(ran),
+        "schedules_without_run": count - len({i for i, _ in ran}),
+        "duplicates": sum(n - 1 for n in runs.values()),
+        "slots_run_twice": sum(1 for n in runs.values() if n > 1),
+        "off_grid_runs": off_grid,
+        "lateness_s": {
+            "p50": percentile(late, 0.5) if late else None,
+            "p99": percentile(late, 0.99) if late else None,
+            "max": max(late) if late else None,
+        },
+        "window_runs_by_process": sorted(by_process.values(), reverse=True),
+    }
+
+
+def lasting_cpu(before: dict[int, float]) -> tuple[list[int], float]:
+    """CPU seconds since `before` of the processes still there (a pool may close a
+    connection: its backend's pid is gone, or even reused)."""
+    lasting = [pid for pid in before if Path(f"/proc/{pid}").exists()]
+    spent = {pid: cpu_seconds([pid]) - before[pid] for pid in lasting}
+    kept = [pid for pid in lasting if spent[pid] >= 0]
+    return kept, sum(spent[pid] for pid in kept)
+
+
+async def scale_trial(admin: str, arena: ScaleArena, sizes: ScaleSizes) -> dict[str, Any]:
+    datname = arena.dsn.rsplit("/", 1)[1]
+    arena.runs_dir.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    t0, offsets, setup_s = await scale_setup(arena)
+    began = time.monotonic()
+    try:
+        for _ in range(SCALE_PROCESSES):
+            arena.spawn()
+        await scale_ready(arena, sizes.ready_within)
+        ready_at = time.time()
+        startup_s = time.monotonic() - began
+        # At least one whole period between ready and the window: start-up catch-up (a
+        # first slot that passed during the adds, procrastinate's deferral of each
+        # schedule's previous slot) stays out of it.
+        first = max(1, math.ceil((ready_at - t0) / SCALE_PERIOD) + 1)
+        w0 = t0 + first * SCALE_PERIOD
+        w1 = w0 + sizes.periods * SCALE_PERIOD
+        await until(w0)
+        pids = [pid for p in arena.live() for pid in tree(p.pid)]
+        backends = await database_backends(admin, datname)
+        cpu0, db0 = cpu_seconds(pids), {pid: cpu_seconds([pid]) for pid in backends}
+        commits0 = await database_commits(admin, datname)
+        load_start = os.getloadavg()
+        m0 = time.monotonic()
+        await until(w1)
+        cpu1 = cpu_seconds(pids)
+        lasting, db_cpu = lasting_cpu(db0)
+        elapsed = time.monotonic() - m0
+        commits1 = await database_commits(admin, datname)
+        load_end = os.getloadavg()
+        alive = len(arena.live())
+        await until(w1 + SCALE_GRACE)
+    finally:
+        await stop_all([arena])
+    result = tally_slots(read_slots(arena.runs_dir), t0, offsets, first, sizes.periods, (w0, w1))
+    result |= {
+        "label": arena.contestant.label,
+        "schedules": arena.count,
+        "processes": SCALE_PROCESSES,
+        "processes_alive_at_end": alive,
+        "setup_s": setup_s,
+        "startup_s": startup_s,
+        "warmup_s": w0 - ready_at,
+        "window_s": w1 - w0,
+        "cpu_percent": 100 * (cpu1 - cpu0) / elapsed,
+        "db_cpu_percent": 100 * db_cpu / elapsed,
+        "db_backends": len(backends),
+        "db_backends_lasting": len(lasting),
+        "commits_per_s": (commits1 - commits0) / elapsed,
+        "load_average": {
+            "before": load_before[0],
+            "window_start": load_start[0],
+            "window_end": load_end[0],
+        },
+    }
+    return result
+
+
+async def scale_bench(
+    admin: str, work: Path, sizes: ScaleSizes, pythons: dict[str, str], names: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Each contestant alone (one after another), on a database of its own."""
+    trials = []
+    for count in sizes.counts:
+        for contestant in SCALE_CONTESTANTS:
+            if contestant.name not in names:
+                continue
+            database = SCALE_DB.format(contestant.name.replace("-", "_"))
+            if contestant.script is None:
+                dsn = await fresh_database(admin, database)
+            else:
+                await drop_database(admin, database, grace=0)
+                await create_database(admin, database)
+                dsn = admin.rsplit("/", 1)[0] + f"/{database}"
+            python = pythons[contestant.venv] if contestant.venv else sys.executable
+            arena = ScaleArena(
+                contestant, count, dsn, work / f"scale-{count}-{contestant.name}", python
+            )
+            print(f"bench.peers: scale, {contestant.name}, {count} schedules", flush=True)
+            try:
+                trial = await scale_trial(admin, arena, sizes)
+            except RuntimeError as error:
+                trial = {"label": contestant.label, "schedules": count, "error": str(error)}
+            trial["name"] = contestant.name
+            trials.append(trial)
+            print(
+                f"bench.peers: scale, {contestant.name}, {count}: {scale_line(trial)}", flush=True
+            )
+            await drop_database(admin, database, grace=0)
+    return trials
+
+
+def scale_line(trial: dict[str, Any]) -> str:
+    if "error" in trial:
+        return f"error: {trial['error']}"
+    late = trial["lateness_s"]
+    return (
+        f"{trial['runs_per_s']:.0f} of {trial['runs_per_s_needed']:.0f} runs/s, "
+        f"lateness p50 {fmt_seconds(late['p50'])} p99 {fmt_seconds(late['p99'])}, "
+        f"{trial['slots_not_run']:,} of {trial['slots_expected']:,} not run, "
+        f"{trial['duplicates']} duplicates, CPU {trial['cpu_percent']:.0f}%"
+    )
+
+
+def fmt_seconds(value: float | None) -> str:
+    if value is None:
+        return "—"
+    if abs(value) < 1:
+        return f"{value * 1000:.1f} ms"
+    return f"{value:.2f} s"
+
+
+def scale_report(results: dict[str, Any]) -> str:
+    sizes = results["sizes"]
+    versions = results["versions"]
+    window = sizes["periods"] * SCALE_PERIOD
+    lines = [
+        f"# Many schedules beside real peers ({results['date']}, {results['machine']})",
+        "",
+        f"N schedules every {SCALE_PERIOD:g} s, a no-op async job that appends one line per "
+        "run (schedule, slot, start, pid) to a file per process; "
+        f"{SCALE_PROCESSES} processes per contestant, each contestant alone on the machine "
+        "(one after another) with a database of its own on the durable throwaway "
+        f"PostgreSQL {results['postgres']}. Peers from PyPI, each in its own venv: "
+        + "; ".join(pinned(env) for env in versions.values() if "freeze" in env)
+        + f". Ours {versions['ours']['scheduler-daemon']} at {versions['ours']['commit']}.",
+        "",
+        "- **ours**: runtime schedule rows (`scheduler_plugin_tasks`, target "
+        "`scalejob:ours` listed in `plugin.runnable`), slots spread over the period "
+        "(schedule i at T0 + i·10 s/N), `run --only plugin`, defaults "
+        "(`plugin.concurrency` 100);",
+        "- **APScheduler 4**: `add_schedule` with `IntervalTrigger(seconds=10, "
+        "start_time=T0 + i·10 s/N)`, one task (function) for all schedules, "
+        "SQLAlchemyDataStore on asyncpg and AsyncpgEventBroker, defaults: "
+        "`max_running_jobs` 1 *per task*, so one job at a time across all schedulers; the "
+        "second row sets it to None, what a user with one function and many schedules "
+        "must do;",
+        "- **procrastinate**: periodic tasks are code, so every worker declares all N "
+        "(`app.periodic` N times on one task, a `periodic_id` and `task_kwargs` each); its "
+        "cron has whole seconds, so the N are spread over the ten phases of the period "
+        "(a tenth due at each whole second); worker defaults (concurrency 1), then "
+        "concurrency 100.",
+        "",
+        f"After all processes are up, at least one period of warm-up, then a {window:g} s "
+        "window: the slots of the window are each schedule's "
+        f"{sizes['periods']} slots in it. Runs/s: runs that started in the window / "
+        f"{window:g} s. Lateness: start (wall clock, in the job) - slot, for each window "
+        "slot's first run, whenever it ran until the processes were stopped "
+        f"{SCALE_GRACE:g} s after the window. Not run: window slots with no run by then "
+        "(a slot skipped by a peer's coalescing counts as not run). Duplicates: runs of "
+        "a (schedule, slot) beyond the first, whole run. CPU: utime + stime of the three "
+        "processes (and children) over the window, 100% = one core; DB CPU: their "
+        "PostgreSQL backends connected when the window began and still there at its end "
+        "(a pool's short-lived connections are missed). Load: the 1-minute load average at the window's end "
+        "(2 cores; other work may run on the machine).",
+        "",
+        "| contestant | N | runs/s needed | runs/s | lateness p50 | p99 | max "
+        "| not run | schedules with no run | duplicates | CPU (3 processes) | DB CPU "
+        "| commits/s | setup | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t in results["scale"]:
+        if "error" in t:
+            lines.append(
+                f"| {t['label']} | {t['schedules']:,} | {t['schedules'] / SCALE_PERIOD:,.0f} "
+                f"| error: {t['error']} |" + " |" * 11
+            )
+            continue
+        late = t["lateness_s"]
+        lines.append(
+            f"| {t['label']} | {t['schedules']:,} | {t['runs_per_s_needed']:,.0f} "
+            f"| {t['runs_per_s']:,.0f} | {fmt_seconds(late['p50'])} | {fmt_seconds(late['p99'])} "
+            f"| {fmt_seconds(late['max'])} "
+            f"| {t['slots_not_run']:,} of {t['slots_expected']:,} "
+            f"| {t['schedules_without_run']:,} | {t['duplicates']:,} "
+            f"| {t['cpu_percent']:.0f}% | {t['db_cpu_percent']:.0f}% "
+            f"| {t['commits_per_s']:,.0f} | {t['setup_s']:.1f} s "
+            f"| {t['load_average']['window_end']:.1f} |"
+        )
+    lines += [
+        "",
+        "Runs in the window by process (does the work spread over the three?), and "
+        "runs whose slot was not on its schedule's grid (none expected):",
+        "",
+    ]
+    for t in results["scale"]:
+        if "error" in t:
+            continue
+        spread = ", ".join(f"{n:,}" for n in t["window_runs_by_process"]) or "none"
+        lines.append(
+            f"- {t['label']}, {t['schedules']:,}: {spread}; off the grid: {t['off_grid_runs']}"
+        )
+    lines.append("")
+    return "\n".join(lines)
+
+
 # -- main ----------------------------------------------------------------------------------
 
 
@@ -1395,12 +1938,41 @@ async def bench(admin: str, work: Path, sizes: Sizes, results: dict[str, Any]) -
     results["idle"] = await idle_cost(admin, work, pythons, sizes, log)
 
 
+def arguments(argv: list[str] | None) -> argparse.Namespace:
+    """bench.common's --quick and --out, and which parts to run."""
+    parser = argparse.ArgumentParser(prog="python -m bench.peers")
+    parser.add_argument("--quick", action="store_true", help="few trials, short runs")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--part",
+        choices=("all", "trials", "scale"),
+        default="all",
+        help="trials: the kill trial and idle cost (peers.*); scale: many schedules "
+        "(peers_scale.*); all (default): both",
+    )
+    parser.add_argument(
+        "--scale-contestants",
+        nargs="+",
+        choices=[c.name for c in SCALE_CONTESTANTS],
+        default=[c.name for c in SCALE_CONTESTANTS],
+    )
+    parser.add_argument(
+        "--scale-counts",
+        nargs="+",
+        type=int,
+        default=None,
+        help="schedules (default 1,000 and 10,000; --quick: 1,000)",
+    )
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = bench_arguments("bench.peers", argv)
-    sizes = QUICK if args.quick else Sizes()
-    results: dict[str, Any] = {"quick": args.quick, "sizes": asdict(sizes)}
-    results["versions"] = {name: ensure_venv(spec) for name, spec in PEER_ENVS.items()}
-    results["versions"]["ours"] = our_versions()
+    args = arguments(argv)
+    versions = {name: ensure_venv(spec) for name, spec in PEER_ENVS.items()}
+    versions["ours"] = our_versions()
+    scale_sizes = QUICK_SCALE if args.quick else ScaleSizes()
+    if args.scale_counts:
+        scale_sizes = ScaleSizes(tuple(args.scale_counts), scale_sizes.periods)
     with ExitStack() as stack:
         keep = os.environ.get("BENCH_PEERS_WORKDIR")
         if keep:
@@ -1409,10 +1981,38 @@ def main(argv: list[str] | None = None) -> None:
         else:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-peers-")))
         admin = admin_dsn(stack)
-        asyncio.run(bench(admin, work, sizes, results))
-    results["plots"] = list(PLOTS)
-    save_results("peers", results, report, args.out)
-    plot(results, args.out)
+        if args.part in ("all", "trials"):
+            sizes = QUICK if args.quick else Sizes()
+            results: dict[str, Any] = {"quick": args.quick, "sizes": asdict(sizes)}
+            results["versions"] = versions
+            asyncio.run(bench(admin, work, sizes, results))
+            results["plots"] = list(PLOTS)
+            save_results("peers", results, report, args.out)
+            plot(results, args.out)
+        if args.part in ("all", "scale"):
+            scale: dict[str, Any] = {"quick": args.quick, "sizes": asdict(scale_sizes)}
+            scale["versions"] = versions
+            pythons = {name: env["python"] for name, env in versions.items() if "python" in env}
+            asyncio.run(
+                scale_main(admin, work, scale_sizes, pythons, args.scale_contestants, scale)
+            )
+            save_results("peers_scale", scale, scale_report, args.out)
+
+
+async def scale_main(
+    admin: str,
+    work: Path,
+    sizes: ScaleSizes,
+    pythons: dict[str, str],
+    names: Sequence[str],
+    results: dict[str, Any],
+) -> None:
+    conn = await asyncpg.connect(admin)
+    try:
+        results["postgres"] = await conn.fetchval("SHOW server_version")
+    finally:
+        await conn.close()
+    results["scale"] = await scale_bench(admin, work, sizes, pythons, names)
 
 
 if __name__ == "__main__":
