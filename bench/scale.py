@@ -126,9 +126,11 @@ class Sizes:
     sql_small: int = 1_000
     sql_large: int = 10_000
     sql_window: float = 20.0
-    overload_window: float = 100.0
-    overload_concurrency: int = 50  # 50 places / 0.5 s = 100 runs/s of 1,000 needed
-    wide_concurrency: int = 1_000  # a second burst: is the default concurrency the bound?
+    overload_window: float = 120.0  # 12 periods: every schedule's 10 are inside it
+    # 55 places / 0.5 s = 110 runs/s of 1,000 needed: ~10% fit (a little over, so that a
+    # full rotation fits in 10 periods at all; at exactly 10% any lost moment breaks it).
+    overload_concurrency: int = 55
+    wide_concurrency: int = 10_000  # a second burst with a place for each schedule
     profile_seconds: float = 15.0
 
 
@@ -143,8 +145,8 @@ QUICK = Sizes(
     sql_large=2_000,
     sql_window=10.0,
     overload_window=30.0,
-    overload_concurrency=10,
-    wide_concurrency=1_000,
+    overload_concurrency=11,
+    wide_concurrency=2_000,
     profile_seconds=5.0,
 )
 
