@@ -702,6 +702,41 @@ async def test_args_reach_async_and_sync_targets(database_url: str, db: Db) -> N
     assert 'brief_sync:{"n": [1, 2]}' in kinds
 
 
+async def test_a_trigger_waiting_for_its_run_does_not_hold_up_other_schedules(
+    database_url: str, db: Db
+) -> None:
+    # `slow` runs 1.5 s and is triggered again meanwhile: the trigger waits for that run to
+    # end. `soon`, due 0.8 s in, must run on time, not when `slow` ends (a leader that
+    # slept "until a run ends" for the trigger's sake held it up: PostgreSQL's listening
+    # leader sleeps up to a minute).
+    tasks = [
+        task("slow", every="1h", target="plugin_targets:slow"),
+        task("soon", cron="0 3 * * *", target="plugin_targets:tick"),
+    ]
+    async with running(database_url, tasks):
+
+        async def slow_started() -> bool:
+            return any(c.kind == "slow" for c in plugin_targets.calls())
+
+        await until(slow_started, "slow to start")
+        now = await db.now()
+        await db.fetch(  # known to the leader (it is told of a slot moved earlier)
+            "UPDATE scheduler_plugin_tasks SET next_run_at = $1 WHERE name = 'soon'",
+            now + timedelta(milliseconds=800),
+        )
+        await asyncio.sleep(0.2)
+        await db.fetch(  # then a tick sees this trigger wait for slow's run
+            "UPDATE scheduler_plugin_tasks SET trigger_requested_at = $1 WHERE name = 'slow'",
+            await db.now(),
+        )
+        await at_least(db, "soon", "succeeded", 1, within=10)
+        await at_least(db, "slow", "succeeded", 2, within=10)  # the trigger ran after
+    [first, second] = [r for r in await db.runs("slow") if r["status"] == "succeeded"]
+    [soon] = await db.runs("soon")
+    assert soon["started_at"] < first["finished_at"], "soon waited for slow's run to end"
+    assert second["started_at"] >= first["finished_at"]
+
+
 # -- built-in and plugin tasks ---------------------------------------------------------
 
 

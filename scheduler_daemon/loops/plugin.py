@@ -366,12 +366,11 @@ class PluginWork:
             )  # fmt: skip
 
     def _next_wake(self, batch: DueBatch, plan_: TickPlan, limit: int) -> float | None:
+        """Until the next slot to come. What is due but waits (for a place, for a run of
+        its own to end, for its last result to be written) is woken by that event, not
+        by a sleep: the other schedules' slots still wake the loop on time."""
         if len(batch.due) >= limit and self._free() - len(plan_.specs) > 0:
             return 0.0  # more may be due than this tick read, and places are left
-        if plan_.waiting or plan_.held or len(batch.due) >= limit:
-            # What is due waits for a place: the next to free (a run that ends, a result
-            # written) wakes the loop.
-            return None
         upcoming = [claim.next_run_at for claim in plan_.claims]
         if batch.next_slot is not None:
             upcoming.append(batch.next_slot)
