@@ -208,9 +208,10 @@ def test_a_sync_target_that_ignores_cancellation_is_killed_with_the_lock(
     print(f"\nlock connection terminated: the leader noticed after {noticed * 1000:.1f} ms, "
           f"its stubborn sync run was killed {(killed[-1].end - cut_at) * 1000:.1f} ms after, "
           f"the standby led after {(event_time(acquired) - cut_at) * 1000:.1f} ms")  # fmt: skip
-    # Two ways to learn the session ended, racing: asyncpg's close callback, or a
-    # heartbeat through the pool that finds the lock gone a moment earlier (seen under
-    # load). Both mean "gone" (no grace for the stubborn run).
+    # Ways to learn the session ended, racing: asyncpg's close callback (or a heartbeat
+    # that finds the connection closed before the callback ran, which says it the same
+    # way), or a heartbeat through the pool that finds the lock gone a moment earlier
+    # (seen under load). All mean "gone" (no grace for the stubborn run).
     assert lost["reason"] in (
         "lock connection closed",
         "lock no longer held (evicted or session ended)",

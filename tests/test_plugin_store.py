@@ -131,6 +131,12 @@ async def test_claim_is_compare_and_set_and_one_running_run_per_schedule(store: 
     assert again == []
     running = await rows(store, "SELECT name FROM scheduler_plugin_runs WHERE status = 'running'")
     assert running == [{"name": "a"}]
+    # Nor is the schedule moved past the slot it could not run: it stays due (a slot lost
+    # to a run left `running` would be lost silently).
+    [task] = await rows(
+        store, "SELECT next_run_at, run_count FROM scheduler_plugin_tasks WHERE name = 'a'"
+    )
+    assert task == {"next_run_at": nxt, "run_count": 1}
     # The slot itself can never be taken twice.
     async with store.transaction() as tx:
         await PluginStore(tx).finish(
@@ -142,6 +148,16 @@ async def test_claim_is_compare_and_set_and_one_running_run_per_schedule(store: 
             [Claim("a", seen_next=nxt + timedelta(seconds=10), next_run_at=nxt, run_slot=slot)],
         )
     assert twice == []
+
+
+async def test_a_schedule_paused_after_the_read_is_not_claimed(store: Store) -> None:
+    now = await now_of(store)
+    await add(store, "p", now, paused=True)  # paused between the tick's read and its claim
+    async with store.transaction() as tx:
+        claimed = await PluginStore(tx).claim(
+            "r1", [Claim("p", now, now + timedelta(seconds=10), run_slot=now)]
+        )
+    assert claimed == []
 
 
 async def test_trigger_and_skip_slots(store: Store) -> None:
@@ -191,6 +207,8 @@ async def test_finish_counts_failures_pauses_and_trims(store: Store) -> None:
         assert finished[0].consecutive_failures == i + 1
         assert finished[0].paused == (i + 1 >= 3)
         assert finished[0].run_count == i + 1
+        async with store.transaction() as tx:  # a paused schedule is claimed no more
+            await tx.run("UPDATE scheduler_plugin_tasks SET paused = false")
     async with store.transaction() as tx:
         await PluginStore(tx).trim(["f"], keep=2)
     kept = await rows(store, "SELECT slot FROM scheduler_plugin_runs ORDER BY slot")

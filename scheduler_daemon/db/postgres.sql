@@ -332,7 +332,11 @@ advanced AS (
         run_count = t.run_count + (c.run_slot IS NOT NULL)::int,
         updated_at = now()
     FROM claim c
-    WHERE t.name = c.name AND t.next_run_at = c.seen_next
+    WHERE t.name = c.name AND t.next_run_at = c.seen_next AND t.active AND NOT t.paused
+      -- Never past a run still `running` (the unique index would refuse the new one, and
+      -- the slot would be lost): the schedule stays due until that run is closed.
+      AND (c.run_slot IS NULL OR NOT EXISTS (
+          SELECT 1 FROM scheduler_plugin_runs r WHERE r.name = t.name AND r.status = 'running'))
     RETURNING t.name
 ),
 slots AS (

@@ -100,8 +100,9 @@ SELECT strftime('%Y-%m-%dT%H:%M:%fZ', 'now') AS now
 -- `status`: the plugin loop's backlog (schedules due), its lag (the oldest due slot's
 -- age) and the next slot, from the due index.
 SELECT count(*) AS due, (julianday('now') - min(julianday(next_run_at))) * 86400.0 AS lag,
-       (SELECT min(next_run_at) FROM scheduler_plugin_tasks
-        WHERE active AND NOT paused AND NOT (julianday(next_run_at) <= julianday('now'))) AS next_run_at
+       (SELECT next_run_at FROM scheduler_plugin_tasks
+        WHERE active AND NOT paused AND NOT (julianday(next_run_at) <= julianday('now'))
+        ORDER BY julianday(next_run_at) LIMIT 1) AS next_run_at
 FROM scheduler_plugin_tasks
 WHERE active AND NOT paused AND julianday(next_run_at) <= julianday('now')
 
@@ -188,7 +189,9 @@ FROM json_each(:claims) AS c
 JOIN scheduler_plugin_tasks t
   ON t.name = json_extract(c.value, '$.name')
  AND julianday(t.next_run_at) = julianday(json_extract(c.value, '$.seen_next'))
-WHERE true
+WHERE t.active AND NOT t.paused
+  AND (json_extract(c.value, '$.run_slot') IS NULL OR NOT EXISTS (
+      SELECT 1 FROM scheduler_plugin_runs r WHERE r.name = t.name AND r.status = 'running'))
 ON CONFLICT (name) DO NOTHING;
 UPDATE scheduler_plugin_tasks AS t
 SET next_run_at = c.next,

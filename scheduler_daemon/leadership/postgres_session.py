@@ -358,15 +358,23 @@ class SessionGuard(GuardBase[PostgresStore]):
         step-down is timed from (the event loop runs nothing else between the check and
         the taking of a lock). Through the pool only while a statement runs on it, when
         the session is busy and no idle timeout runs."""
-        if not lease.conn_lock.locked():
-            async with lease.conn_lock:
-                return bool(await lease.conn.fetchval(Q["lock_held"], self.key))
-        if not lease.gate.locked():
-            async with lease.gate:
-                try:
+        try:
+            if not lease.conn_lock.locked():
+                async with lease.conn_lock:
                     return bool(await lease.conn.fetchval(Q["lock_held"], self.key))
-                except asyncpg.InFailedSQLTransactionError:
-                    pass  # it answered, so it is not idle; its transaction failed: the pool
+            if not lease.gate.locked():
+                async with lease.gate:
+                    try:
+                        return bool(await lease.conn.fetchval(Q["lock_held"], self.key))
+                    except asyncpg.InFailedSQLTransactionError:
+                        pass  # it answered, so it is not idle; its transaction failed
+        except (asyncpg.InterfaceError, asyncpg.ConnectionDoesNotExistError):
+            if not lease.conn.is_closed():
+                raise
+            # Closed under us, its close callback not yet run: the session, and the lock
+            # with it, is over (not a network doubt that would earn the work its grace).
+            lease.lose("lock connection closed", gone=True)
+            return False
         held = await self.store.pool.fetchval(Q["lock_entry"], self.key, lease.backend_pid)
         return held is True
 

@@ -162,7 +162,10 @@ class PluginWork:
         self.wake: Callable[[], None] = lambda: None  # the runner sets its own
         self._lease: Lease | None = None
         self._runtime: dict[tuple[str, Any], TaskSpec] = {}  # built from rows, reused
-        self._sweep = False  # results were dropped: abandon their runs next tick
+        # Runs whose results will never be written (dropped after failed attempts, or a
+        # run that crashed), by id: closed as abandoned by the next tick, even while their
+        # batch goes on; their schedules are not claimed again until that committed.
+        self._orphans: dict[int, str] = {}
         self._written: set[int] = set()  # run ids whose results are written (per batch)
         # Wake-ups worth a tick: a place freed while something waited for one, results
         # written while something due waited for them (any other is a tick for nothing).
@@ -197,15 +200,20 @@ class PluginWork:
                 # over, in transaction mode every tick that wins. (Had their replica lost
                 # its hold to the server and still be stopping them, the guard waited for
                 # it before this tick: see the guards' settle.)
-                if taking_over or not self.sticky or self._sweep:
-                    self._sweep = False
-                    await self._abandon(store, tick.log)
+                orphans = dict(self._orphans)
+                if taking_over or not self.sticky or orphans:
+                    await self._abandon(store, tick.log, orphans)
                 # Schedules in flight are read too (their slot is skipped as overlapping),
                 # and those whose result is not written yet (they wait for it).
                 limit = max(1, self._free() + len(self.running) + len(self.unrecorded))
                 batch = await store.due(limit=limit, busy=())
                 clock = Clock(batch.now, time.monotonic())
                 plan_ = self._plan(batch)
+                # Said now, before the awaits below: a run that ends meanwhile must see
+                # that something waits for its place (or its result).
+                truncated = len(batch.due) >= limit
+                self._want_place = plan_.waiting or truncated
+                self._want_results = plan_.held or truncated
                 if plan_.unknown:
                     await self._declare(store, tick.log)
                 if plan_.refused:
@@ -216,10 +224,6 @@ class PluginWork:
                     claimed = await store.claim(self.settings.instance_id, plan_.claims)
                     starts = self._starts(plan_, claimed, tick.log)
                 self._report(batch, plan_, tick.log)
-                # More may be due than this tick read: any place or result counts.
-                truncated = len(batch.due) >= limit
-                self._want_place = plan_.waiting or truncated
-                self._want_results = plan_.held or truncated
                 wake = self._next_wake(batch, plan_, limit)
                 if starts:
                     hold = await tick.lease.hold_after(tx)
@@ -228,6 +232,9 @@ class PluginWork:
                 await hold.discard()  # what it would have run was rolled back
             raise
         self._lease = tick.lease  # committed: reconciled, and its predecessors' runs closed
+        for run_id, name in orphans.items():  # closed: their schedules may run again
+            del self._orphans[run_id]
+            self.unrecorded.discard(name)
         if hold is not None:
             self._start_batch(tick.lease, hold, starts, clock, tick.log)
         return wake
@@ -245,8 +252,8 @@ class PluginWork:
         if spec is None:
             try:
                 spec = runtime_spec(due.name, due.runtime, self.runnable)
-            except ValueError as exc:
-                return str(exc)
+            except Exception as exc:  # whatever a row written by hand makes of it
+                return describe(exc)
             if len(self._runtime) > 4 * max(self.settings.plugin.concurrency, 10_000):
                 self._runtime.clear()  # definitions change; never grow without bound
             self._runtime[key] = spec
@@ -279,7 +286,11 @@ class PluginWork:
             slots: list[datetime] = []
             next_run_at = due.next_run_at
             if due.next_run_at <= now:
-                step = plan(spec.schedule, due.next_run_at, now, spec.misfire)
+                try:
+                    step = plan(spec.schedule, due.next_run_at, now, spec.misfire)
+                except Exception as exc:  # no next slot to be had (a date out of range)
+                    result.refused[due.name] = f"cannot compute its next slot: {describe(exc)}"
+                    continue
                 next_run_at = step.next_run_at
                 if step.missed:
                     result.misfired.append((due.name, due.next_run_at, next_run_at))
@@ -430,8 +441,15 @@ class PluginWork:
                     "schedule runs; remove it or rename the task",
                 )  # fmt: skip
 
-    async def _abandon(self, store: PluginStore, log: Logger) -> None:
-        ours = sorted(run_id for run_ids in self._batches.values() for run_id in run_ids)
+    async def _abandon(self, store: PluginStore, log: Logger, orphans: dict[int, str]) -> None:
+        # Our own runs in flight are left alone: they will write their results. Not the
+        # orphans among them, which never will.
+        ours = sorted(
+            run_id
+            for run_ids in self._batches.values()
+            for run_id in run_ids
+            if run_id not in orphans
+        )
         for run in await store.abandon(ABANDONED, ours):
             self.metrics.plugin_runs.labels(self._label(run.name, None), "abandoned").inc()
             log.warning(
@@ -485,7 +503,9 @@ class PluginWork:
             # A result not written stays `running` for a holder of the lock to abandon;
             # its schedule may be claimed again (it cannot have been meanwhile).
             for run, start in runs.items():
-                if run.done() and not run.cancelled() and start.run_id not in self._written:
+                unwritten = start.run_id not in self._written
+                orphan = start.run_id in self._orphans  # unrecorded until abandoned
+                if run.done() and not run.cancelled() and unwritten and not orphan:
                     self.unrecorded.discard(start.spec.name)
                 self._written.discard(start.run_id)
             self.wake()
@@ -517,7 +537,9 @@ class PluginWork:
                             continue
                         if (error := run.exception()) is not None:  # a bug of ours: say so
                             log.error("task.run_crashed", error=describe(error))
-                            self._sweep = True
+                            start = runs[cast(asyncio.Task[Ended], run)]
+                            self._orphans[start.run_id] = start.spec.name
+                            self.unrecorded.add(start.spec.name)
                             continue
                         if not buffered:
                             oldest = time.monotonic()
@@ -549,10 +571,10 @@ class PluginWork:
 
     def _drop(self, results: list[Ended], exc: Exception, log: Logger) -> None:
         # Lost leadership or database trouble: the runs stay `running` until a holder of
-        # the lock marks them abandoned (this one too, if it still leads). Never retried
-        # as runs: a slot runs at most once.
-        self._sweep = True
+        # the lock marks them abandoned (this one's next tick, if it still leads). Never
+        # retried as runs: a slot runs at most once.
         for ended in results:
+            self._orphans[ended.result.id] = ended.result.name
             ended.log.warning(
                 "task.result_not_recorded", status=ended.result.status, error=describe(exc)
             )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from ..config import PluginTaskSettings, Settings
+from ..config import MAX_DURATION, PluginTaskSettings, Settings
 from ..errors import ConfigError
 from .schedule import Cron, Every, Misfire, Schedule, check_timezone, with_jitter
 from .worker import check_picklable
@@ -183,11 +184,22 @@ def runtime_spec(
             f"target {definition.target!r} is not runnable on this replica (declare it in "
             "plugin.runnable or as a declared task's target)"
         )
-    args = json.loads(definition.args_json)
+    try:
+        args = json.loads(definition.args_json)
+    except (ValueError, RecursionError):
+        raise ValueError("args are not JSON this replica can read") from None
     if not isinstance(args, dict):
         raise ValueError("args must be a JSON object")
     if definition.misfire not in ("run_once", "skip"):
         raise ValueError(f"misfire must be 'run_once' or 'skip', not {definition.misfire!r}")
+    # What config's durations allow: a row written by plain SQL gets no other check.
+    for column, value, low in (
+        ("every_seconds", definition.every_seconds, 0.0),
+        ("jitter_seconds", definition.jitter, -1.0),
+        ("timeout_seconds", definition.timeout, 0.0),
+    ):
+        if value is not None and not (low < value <= MAX_DURATION and math.isfinite(value)):
+            raise ValueError(f"{column} {value!r} is outside (0, {MAX_DURATION:g}]")
     schedule = make_schedule(
         name, definition.every_seconds, definition.cron, definition.timezone, definition.jitter
     )

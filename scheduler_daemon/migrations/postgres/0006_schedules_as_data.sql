@@ -21,10 +21,12 @@ ALTER TABLE scheduler_plugin_tasks
     ADD CONSTRAINT scheduler_plugin_tasks_runtime_check CHECK (
         target IS NULL OR (
             (every_seconds IS NULL) <> (cron IS NULL)
-            AND (every_seconds IS NULL OR every_seconds > 0)
-            AND timeout_seconds > 0
+            -- Bounded as config's durations (100 years): a bound also refuses NaN and
+            -- Infinity, which PostgreSQL's float8 takes and no schedule can follow.
+            AND (every_seconds IS NULL OR (every_seconds > 0 AND every_seconds <= 3153600000))
+            AND timeout_seconds > 0 AND timeout_seconds <= 3153600000
             AND misfire IN ('run_once', 'skip')
-            AND jitter_seconds >= 0
+            AND jitter_seconds >= 0 AND jitter_seconds <= 3153600000
             AND jsonb_typeof(args) = 'object'
         )) NOT VALID;
 
