@@ -737,6 +737,36 @@ async def test_a_trigger_waiting_for_its_run_does_not_hold_up_other_schedules(
     assert second["started_at"] >= first["finished_at"]
 
 
+async def test_a_runtime_row_no_schedule_can_follow_is_refused_alone(
+    database_url: str, db: Db, logs: list[dict[str, Any]]
+) -> None:
+    # Rows written by hand that the database accepts but no replica can follow: each is
+    # paused with its reason, and every other schedule goes on (one such row once failed
+    # every tick).
+    tasks = [task("healthy", every="300ms", target="plugin_targets:tick")]
+    overrides = {"plugin": {"runnable": ["plugin_targets:tick"]}}
+    async with running(database_url, tasks, **overrides):
+        await at_least(db, "healthy", "succeeded", 1)
+        insert = (
+            "INSERT INTO scheduler_plugin_tasks (name, target, cron, args) "
+            "VALUES ($1, 'plugin_targets:tick', $2, $3)"
+        )
+        await db.fetch(insert, "bad-cron", "every full moon", "{}")
+        if db.backend == "postgres":  # jsonb takes nesting Python's json cannot read
+            deep = "[" * 3000 + "]" * 3000
+            await db.fetch(insert, "deep-args", "* * * * *", '{"a": ' + deep + "}")
+        before = (await db.statuses("healthy"))["succeeded"]
+        await at_least(db, "healthy", "succeeded", before + 3)
+    refused = ["bad-cron", *(["deep-args"] if db.backend == "postgres" else [])]
+    for name in refused:
+        row = await db.task(name)
+        assert row["paused"], row
+        assert row["last_status"] == "failed"
+        assert row["last_error"]
+        assert await db.runs(name) == []
+    assert {e["task"] for e in events(logs, "task.refused")} == set(refused)
+
+
 # -- built-in and plugin tasks ---------------------------------------------------------
 
 
