@@ -418,30 +418,36 @@ class Client:
             timeout=timeout, misfire=misfire, jitter=jitter, start=start,
             max_args_bytes=self.max_payload_bytes,
         )  # fmt: skip
-        return await self.store.add_schedule(request.definition(), replace=replace)
+        async with self.store.transaction() as tx:
+            return await ScheduleStore(tx).add(request.definition(), replace=replace)
 
     async def remove_schedule(self, name: str) -> ScheduleRecord:
         """Remove a runtime schedule, returning its last state: no slot of it runs after
         this commits, and a run in flight ends normally (its history stays in
         ``scheduler_plugin_runs``). :class:`~scheduler_daemon.errors.NotFound` for an
         unknown name, and for a task the deployment declares (left as it is)."""
-        return await self.store.remove_schedule(name)
+        async with self.store.transaction() as tx:
+            return await ScheduleStore(tx).remove(name)
 
     async def get_schedule(self, name: str) -> ScheduleRecord | None:
         """A runtime schedule or declared task by name (see ``ScheduleRecord.runtime``)."""
-        return await self.store.get_schedule(name)
+        async with self.store.transaction(readonly=True) as tx:
+            return await ScheduleStore(tx).get(name)
 
     async def list_schedules(self) -> list[ScheduleRecord]:
         """Every runtime schedule and declared task, by name."""
-        return await self.store.list_schedules()
+        async with self.store.transaction(readonly=True) as tx:
+            return await ScheduleStore(tx).list_all()
 
     async def pause_schedule(self, name: str) -> ScheduleRecord:
         """Stop running its slots (a run in flight finishes), as ``tasks pause``."""
-        return await self.store.set_schedule_paused(name, True)
+        async with self.store.transaction() as tx:
+            return await ScheduleStore(tx).set_paused(name, True)
 
     async def resume_schedule(self, name: str) -> ScheduleRecord:
         """Run its slots again and clear its failure count, as ``tasks resume``."""
-        return await self.store.set_schedule_paused(name, False)
+        async with self.store.transaction() as tx:
+            return await ScheduleStore(tx).set_paused(name, False)
 
 
 # -- on the application's own connection ----------------------------------------------

@@ -15,33 +15,29 @@ import logging
 import os
 import re
 import signal
-import sqlite3
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import aiosqlite
-import asyncpg
 import plugin_targets
 import pytest
 import structlog
 from plugin_targets import CALLS, PROBE_DDL, PROBE_TABLE
 from rig.processes import Daemons, run_cli
+from rig.sql import Db
+from rig.waiting import until
 from structlog.testing import capture_logs
 
 from scheduler_daemon.config import Settings
 from scheduler_daemon.daemon import Daemon
-from scheduler_daemon.db.sqlite import from_db_row, to_db_value
-from scheduler_daemon.db.url import DatabaseUrl
 from scheduler_daemon.logs import get_logger
 from scheduler_daemon.plugins.schedule import Cron
 
-T = TypeVar("T")
 
 TERMINAL = {"succeeded", "failed", "timed_out", "skipped_overlap", "abandoned"}
 
@@ -77,77 +73,9 @@ def logs() -> Iterator[list[dict[str, Any]]]:
 # -- the database, from the test's side --------------------------------------------------
 
 
-class Db:
-    """Plain SQL against the test's database, one short connection per call.
-
-    Write ``$1``-style parameters; for SQLite they become ``?1`` and times are converted
-    both ways (SQLite keeps them as text).
-    """
-
-    def __init__(self, url: str) -> None:
-        self.url = DatabaseUrl.parse(url)
-        self.backend = self.url.backend
-
-    async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
-        if self.backend == "postgres":
-            conn = await asyncpg.connect(self.url.postgres_dsn)
-            try:
-                return [dict(row) for row in await conn.fetch(sql, *args)]
-            finally:
-                await conn.close()
-        path = self.url.sqlite_path
-        assert path is not None
-        params = tuple(to_db_value(arg) for arg in args)
-        async with aiosqlite.connect(path, timeout=30) as conn:
-            conn.row_factory = sqlite3.Row
-            async with conn.execute(re.sub(r"\$(\d+)", r"?\1", sql), params) as cursor:
-                rows = await cursor.fetchall()
-            await conn.commit()
-        return [from_db_row(row) for row in rows]
-
-    async def runs(self, name: str | None = None) -> list[dict[str, Any]]:
-        rows = await self.fetch(
-            "SELECT id, name, slot, instance, status, error, started_at, finished_at "
-            "FROM scheduler_plugin_runs ORDER BY id"
-        )
-        return [row for row in rows if name is None or row["name"] == name]
-
-    async def statuses(self, name: str) -> Counter[str]:
-        return Counter(row["status"] for row in await self.runs(name))
-
-    async def task(self, name: str) -> dict[str, Any]:
-        rows = await self.fetch("SELECT * FROM scheduler_plugin_tasks WHERE name = $1", name)
-        assert rows, f"task {name!r} is not registered"
-        row = rows[0]
-        row["active"], row["paused"] = bool(row["active"]), bool(row["paused"])
-        return row
-
-    async def now(self) -> datetime:
-        if self.backend == "postgres":
-            [row] = await self.fetch("SELECT now() AS now")
-            return row["now"]  # type: ignore[no-any-return]
-        [row] = await self.fetch("SELECT strftime('%Y-%m-%dT%H:%M:%fZ', 'now') AS now")
-        return row["now"]  # type: ignore[no-any-return]
-
-
 @pytest.fixture
 def db(database_url: str) -> Db:
     return Db(database_url)
-
-
-async def until(
-    check: Callable[[], Awaitable[T]], what: str, within: float = 20.0, every: float = 0.1
-) -> T:
-    """Poll ``check`` until it returns something truthy; fail the test after ``within`` s."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while True:
-        value = await check()
-        if value:
-            return value
-        if loop.time() > deadline:
-            raise AssertionError(f"gave up after {within}s waiting for {what} (last: {value!r})")
-        await asyncio.sleep(every)
 
 
 async def at_least(db: Db, name: str, status: str, count: int, within: float = 20.0) -> None:

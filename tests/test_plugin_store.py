@@ -81,15 +81,15 @@ def test_both_backends_define_the_plugin_queries() -> None:
     assert {"plugin_due", "plugin_claim", "plugin_finish", "plugin_trim"} <= plugin
 
 
-async def test_due_is_oldest_first_limited_and_skips_busy(store: Store) -> None:
+async def test_due_is_oldest_first_and_limited(store: Store) -> None:
     now = await now_of(store)
     for i in range(6):
         await add(store, f"t{i}", now - timedelta(seconds=60 - i))
     await add(store, "later", now + timedelta(hours=1))
     await add(store, "paused", now - timedelta(hours=1), paused=True)
     async with store.transaction() as tx:
-        batch = await PluginStore(tx).due(limit=3, busy=["t0"])
-    assert [s.name for s in batch.due] == ["t1", "t2", "t3"]
+        batch = await PluginStore(tx).due(limit=3)
+    assert [s.name for s in batch.due] == ["t0", "t1", "t2"]
     assert batch.oldest_due == batch.due[0].next_run_at
     assert batch.next_slot == now + timedelta(hours=1)
     assert all(s.runtime is None for s in batch.due)
@@ -99,7 +99,7 @@ async def test_a_triggered_schedule_is_due_before_its_slot(store: Store) -> None
     now = await now_of(store)
     await add(store, "yearly", now + timedelta(days=300), trigger_requested_at=now)
     async with store.transaction() as tx:
-        batch = await PluginStore(tx).due(limit=10, busy=[])
+        batch = await PluginStore(tx).due(limit=10)
     [due] = batch.due
     assert due.name == "yearly"
     assert due.trigger_requested_at == now
@@ -296,7 +296,7 @@ async def test_runtime_rows_name_only_runnable_targets(store: Store) -> None:
                 "os:system",
             )
     async with store.transaction() as tx:
-        batch = await PluginStore(tx).due(limit=10, busy=[])
+        batch = await PluginStore(tx).due(limit=10)
     [good] = batch.due  # next_run_at defaults to now: due at once
     assert good.runtime is not None
     assert (good.runtime.target, json.loads(good.runtime.args_json)) == ("pkg.mod:ok", {"n": 1})

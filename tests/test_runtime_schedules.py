@@ -15,19 +15,19 @@ import json
 import os
 import re
 import secrets
-import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import aiosqlite
 import asyncpg
 import plugin_targets
 import pytest
 from rig.databases import PgServer, replace_user, run_sync
 from rig.processes import run_cli
+from rig.sql import Db
+from rig.waiting import until
 
 from scheduler_daemon.client import (
     Client,
@@ -38,12 +38,10 @@ from scheduler_daemon.client import (
 from scheduler_daemon.config import MAX_TASK_NAME_LENGTH, PluginTaskSettings, Settings
 from scheduler_daemon.daemon import Daemon
 from scheduler_daemon.db.schedules import ScheduleStore
-from scheduler_daemon.db.sqlite import from_db_row, to_db_value
 from scheduler_daemon.db.url import DatabaseUrl
 from scheduler_daemon.errors import InvalidInput, NotFound
 from scheduler_daemon.logs import get_logger
 
-T = TypeVar("T")
 
 PLUGINS_DOC = Path(__file__).resolve().parent.parent / "docs" / "plugins.md"
 
@@ -71,27 +69,8 @@ def calls() -> Iterator[None]:
 # -- the database, from the test's side (plain SQL, `$1` parameters on both) -----------
 
 
-async def sql(url: str, query: str, *args: Any) -> list[dict[str, Any]]:
-    parsed = DatabaseUrl.parse(url)
-    if parsed.backend == "postgres":
-        conn = await asyncpg.connect(parsed.postgres_dsn)
-        try:
-            return [dict(row) for row in await conn.fetch(query, *args)]
-        finally:
-            await conn.close()
-    assert parsed.sqlite_path is not None
-    params = tuple(to_db_value(arg) for arg in args)
-    async with aiosqlite.connect(parsed.sqlite_path, timeout=30) as conn:
-        conn.row_factory = sqlite3.Row
-        async with conn.execute(re.sub(r"\$(\d+)", r"?\1", query), params) as cursor:
-            rows = await cursor.fetchall()
-        await conn.commit()
-    return [from_db_row(row) for row in rows]
-
-
 async def runs(url: str, name: str) -> list[dict[str, Any]]:
-    return await sql(
-        url, "SELECT id, slot, status, error FROM scheduler_plugin_runs WHERE name = $1 "
+    return await Db(url).fetch("SELECT id, slot, status, error FROM scheduler_plugin_runs WHERE name = $1 "
         "ORDER BY id", name,
     )  # fmt: skip
 
@@ -99,21 +78,7 @@ async def runs(url: str, name: str) -> list[dict[str, Any]]:
 async def declare_runnable(url: str, *targets: str) -> None:
     """What a plugin leader does when it takes over (tests without a daemon)."""
     for target in targets:
-        await sql(url, "INSERT INTO scheduler_runnable_targets (target) VALUES ($1)", target)
-
-
-async def until(
-    check: Callable[[], Awaitable[T]], what: str, within: float = 15.0, every: float = 0.05
-) -> T:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while True:
-        value = await check()
-        if value:
-            return value
-        if loop.time() > deadline:
-            raise AssertionError(f"gave up after {within}s waiting for {what} (last: {value!r})")
-        await asyncio.sleep(every)
+        await Db(url).fetch("INSERT INTO scheduler_runnable_targets (target) VALUES ($1)", target)
 
 
 # -- the daemon and the client, in process ----------------------------------------------
@@ -141,7 +106,7 @@ async def running(url: str, **plugin: Any) -> AsyncIterator[Daemon]:
 
         async def published() -> bool:
             assert not run.done(), f"the daemon exited: {run.result()!r}"
-            rows = await sql(url, "SELECT target FROM scheduler_runnable_targets")
+            rows = await Db(url).fetch("SELECT target FROM scheduler_runnable_targets")
             return expected <= {row["target"] for row in rows}
 
         await until(published, "the leader to publish its runnable targets", within=30)
@@ -255,8 +220,7 @@ async def test_an_added_schedule_runs_with_its_args(database_url: str) -> None:
         assert plugin_targets.ARGS[:2] == [("feed-42", args), ("feed-42", args)]
 
         # A row inserted with plain SQL runs as well, due at once, with its args.
-        await sql(
-            database_url,
+        await Db(database_url).fetch(
             "INSERT INTO scheduler_plugin_tasks (name, target, args, every_seconds) "
             f"VALUES ('by-sql', '{RECORD_ARGS}', '{{\"via\": \"sql\"}}', 3600)",
         )
@@ -270,8 +234,7 @@ async def test_an_added_schedule_runs_with_its_args(database_url: str) -> None:
         # publishes its own set only when it takes over) is refused by the leader: paused,
         # with the reason, and never run.
         await declare_runnable(database_url, "plugin_targets:hang")
-        await sql(
-            database_url,
+        await Db(database_url).fetch(
             "INSERT INTO scheduler_plugin_tasks (name, target, every_seconds) "
             "VALUES ('sneaky', 'plugin_targets:hang', 1)",
         )
@@ -303,14 +266,13 @@ async def test_an_unknown_target_is_refused_at_insert(database_url: str) -> None
 
     # Plain SQL meets the trigger, on an insert and on an update of the target.
     with pytest.raises(Exception, match="scheduler_plugin_tasks_target_check"):
-        await sql(
-            database_url,
+        await Db(database_url).fetch(
             "INSERT INTO scheduler_plugin_tasks (name, target, every_seconds) "
             "VALUES ('evil', 'os:system', 1)",
         )
     with pytest.raises(Exception, match="scheduler_plugin_tasks_target_check"):
-        await sql(database_url, "UPDATE scheduler_plugin_tasks SET target = 'os:system'")
-    rows = await sql(database_url, "SELECT name, target FROM scheduler_plugin_tasks")
+        await Db(database_url).fetch("UPDATE scheduler_plugin_tasks SET target = 'os:system'")
+    rows = await Db(database_url).fetch("SELECT name, target FROM scheduler_plugin_tasks")
     assert rows == [{"name": "fine", "target": TICK}]
 
 
@@ -345,8 +307,7 @@ async def test_names_replace_and_declared_tasks(database_url: str) -> None:
     await declare_runnable(database_url, TICK, RECORD_ARGS)
     # A declared task's row, as a leader registers it.
     slot = datetime(2030, 1, 1, tzinfo=UTC)
-    await sql(
-        database_url,
+    await Db(database_url).fetch(
         "INSERT INTO scheduler_plugin_tasks (name, schedule, next_run_at, source) "
         "VALUES ('nightly', 'cron 0 3 * * * UTC', $1, 'config')",
         slot,
@@ -455,7 +416,7 @@ async def test_add_and_remove_schedule_in_follow_the_applications_transaction(
         assert added.created
         assert added.schedule.args == {"tenant": 1}
         await transaction.rollback()
-        assert await sql(pg_url, "SELECT name FROM scheduler_plugin_tasks") == []
+        assert await Db(pg_url).fetch("SELECT name FROM scheduler_plugin_tasks") == []
 
         async with conn.transaction():
             # Refused before anything is written: the transaction is still usable.
@@ -465,8 +426,8 @@ async def test_add_and_remove_schedule_in_follow_the_applications_transaction(
                 await add_schedule_in(conn, "bad", every="soon", target=TICK)
             await add_schedule_in(conn, "tenant-1", every="1m", target=TICK, args={"tenant": 1})
             # Not committed yet: others do not see it.
-            assert await sql(pg_url, "SELECT name FROM scheduler_plugin_tasks") == []
-        [row] = await sql(pg_url, "SELECT name, target, args FROM scheduler_plugin_tasks")
+            assert await Db(pg_url).fetch("SELECT name FROM scheduler_plugin_tasks") == []
+        [row] = await Db(pg_url).fetch("SELECT name, target, args FROM scheduler_plugin_tasks")
         assert (row["name"], row["target"], json.loads(row["args"])) == (
             "tenant-1", TICK, {"tenant": 1}
         )  # fmt: skip
@@ -475,12 +436,12 @@ async def test_add_and_remove_schedule_in_follow_the_applications_transaction(
         await transaction.start()
         await remove_schedule_in(conn, "tenant-1")
         await transaction.rollback()
-        assert len(await sql(pg_url, "SELECT name FROM scheduler_plugin_tasks")) == 1
+        assert len(await Db(pg_url).fetch("SELECT name FROM scheduler_plugin_tasks")) == 1
         async with conn.transaction():
             with pytest.raises(NotFound):
                 await remove_schedule_in(conn, "nope")
             assert (await remove_schedule_in(conn, "tenant-1")).name == "tenant-1"
-        assert await sql(pg_url, "SELECT name FROM scheduler_plugin_tasks") == []
+        assert await Db(pg_url).fetch("SELECT name FROM scheduler_plugin_tasks") == []
 
         with pytest.raises(RuntimeError, match="needs a transaction open"):
             await add_schedule_in(conn, "tenant-2", every="1m", target=TICK)
@@ -495,9 +456,9 @@ def app_role(pg_server: PgServer) -> Iterator[str]:
     """A login role with no grant yet; dropped after the test's database (requested first,
     so torn down last)."""
     name = f"app_{secrets.token_hex(4)}"
-    run_sync(sql(pg_server.admin_dsn, f"CREATE ROLE {name} LOGIN"))
+    run_sync(Db(pg_server.admin_dsn).fetch(f"CREATE ROLE {name} LOGIN"))
     yield name
-    run_sync(sql(pg_server.admin_dsn, f"DROP ROLE IF EXISTS {name}"))
+    run_sync(Db(pg_server.admin_dsn).fetch(f"DROP ROLE IF EXISTS {name}"))
 
 
 @pytest.mark.postgres
@@ -508,27 +469,27 @@ async def test_an_application_role_needs_only_the_documented_grants(
     on the runnable targets; replace, pause and resume UPDATE; remove DELETE."""
     await declare_runnable(pg_url, TICK)
     app_url = replace_user(pg_url, app_role)
-    await sql(pg_url, f"GRANT SELECT, INSERT ON scheduler_plugin_tasks TO {app_role}")
+    await Db(pg_url).fetch(f"GRANT SELECT, INSERT ON scheduler_plugin_tasks TO {app_role}")
     async with client_for(app_url) as client:
         with pytest.raises(asyncpg.InsufficientPrivilegeError, match="scheduler_runnable_targets"):
             await client.add_schedule("tenant-1", every="1m", target=TICK)
-        await sql(pg_url, f"GRANT SELECT ON scheduler_runnable_targets TO {app_role}")
+        await Db(pg_url).fetch(f"GRANT SELECT ON scheduler_runnable_targets TO {app_role}")
         assert (await client.add_schedule("tenant-1", every="1m", target=TICK)).created
         with pytest.raises(asyncpg.InsufficientPrivilegeError):
             await client.add_schedule("tenant-1", every="2m", target=TICK, replace=True)
         with pytest.raises(asyncpg.InsufficientPrivilegeError):
             await client.remove_schedule("tenant-1")
-        await sql(pg_url, f"GRANT UPDATE ON scheduler_plugin_tasks TO {app_role}")
+        await Db(pg_url).fetch(f"GRANT UPDATE ON scheduler_plugin_tasks TO {app_role}")
         replaced = await client.add_schedule("tenant-1", every="2m", target=TICK, replace=True)
         assert replaced.schedule.every_seconds == 120.0
         assert (await client.pause_schedule("tenant-1")).paused
         assert not (await client.resume_schedule("tenant-1")).paused
-        await sql(pg_url, f"GRANT DELETE ON scheduler_plugin_tasks TO {app_role}")
+        await Db(pg_url).fetch(f"GRANT DELETE ON scheduler_plugin_tasks TO {app_role}")
         await client.remove_schedule("tenant-1")
         assert await client.get_schedule("tenant-1") is None
         # And the runnable set stays the leader's: the application cannot add to it.
         with pytest.raises(asyncpg.InsufficientPrivilegeError):
-            await sql(app_url, "INSERT INTO scheduler_runnable_targets VALUES ('os:system')")
+            await Db(app_url).fetch("INSERT INTO scheduler_runnable_targets VALUES ('os:system')")
 
 
 # -- the command line -------------------------------------------------------------------
@@ -609,7 +570,7 @@ async def test_the_documented_sql_works(database_url: str) -> None:
     postgres = database_url.startswith("postgresql")
     await declare_runnable(database_url, "feeds.jobs:refresh", "reports.jobs:weekly")
     for statement in statements(postgres_inserts if postgres else sqlite_insert):
-        await sql(database_url, statement)
+        await Db(database_url).fetch(statement)
     async with client_for(database_url) as client:
         feed = await client.get_schedule("feed-42")
         assert feed is not None
@@ -619,7 +580,7 @@ async def test_the_documented_sql_works(database_url: str) -> None:
         for statement in statements(operate):
             if not postgres:
                 statement = statement.replace("now()", "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')")
-            await sql(database_url, statement)
+            await Db(database_url).fetch(statement)
             if "paused = true" in statement:
                 paused = await client.get_schedule("feed-42")
                 assert paused is not None

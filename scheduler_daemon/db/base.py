@@ -97,7 +97,7 @@ class ScheduleRecord:
 
 @dataclass(frozen=True, slots=True)
 class ScheduleDefinition:
-    """A runtime schedule as :meth:`Store.add_schedule` writes it, already validated
+    """A runtime schedule as ``ScheduleStore.add`` (db/schedules.py) writes it, already validated
     (``client.validate_runtime_schedule``)."""
 
     name: str
@@ -217,37 +217,6 @@ class Store(Protocol):
         ...
 
     async def publication_stats(self) -> PublicationStats: ...
-
-    # Runtime schedules (rows of scheduler_plugin_tasks with a target: docs/plugins.md,
-    # "Schedules as data"); db/schedules.py holds the statements, for both backends.
-
-    async def add_schedule(
-        self, definition: ScheduleDefinition, *, replace: bool = False
-    ) -> AddedSchedule:
-        """Insert a runtime schedule. A name in use is refused (:class:`InvalidInput`),
-        unless ``replace`` and it is a runtime schedule: then its definition is updated,
-        keeping ``next_run_at`` unless the schedule (every, cron, timezone, jitter)
-        changed or ``start`` is given. A declared task's row is never touched. A target
-        the deployment does not declare runnable is refused (:class:`InvalidInput`)."""
-        ...
-
-    async def remove_schedule(self, name: str) -> ScheduleRecord:
-        """Delete a runtime schedule (a run in flight ends normally; its history stays).
-        :class:`NotFound` for an unknown name or a declared task."""
-        ...
-
-    async def get_schedule(self, name: str) -> ScheduleRecord | None:
-        """The row of that name, runtime or declared."""
-        ...
-
-    async def list_schedules(self) -> list[ScheduleRecord]:
-        """Every row, runtime and declared, by name. A read, like ``find_publications``."""
-        ...
-
-    async def set_schedule_paused(self, name: str, paused: bool) -> ScheduleRecord:
-        """Pause or resume (which also clears the failure count) a schedule or declared
-        task; :class:`NotFound` for an unknown name."""
-        ...
 
     def transaction(self, *, readonly: bool = False) -> AbstractAsyncContextManager[Tx]:
         """An unfenced transaction, for administration (the CLI), never for loop work.

@@ -160,8 +160,8 @@ class PluginStore:
         rows = await self.tx.query("plugin_abandon", reason=reason, keep=list(keep))
         return [AbandonedRun(row["name"], row["slot"], row["instance"]) for row in rows]
 
-    async def due(self, limit: int, busy: Iterable[str]) -> DueBatch:
-        rows = await self.tx.query("plugin_due", limit=limit, busy=sorted(busy))
+    async def due(self, limit: int) -> DueBatch:
+        rows = await self.tx.query("plugin_due", limit=limit)
         due: list[DueSchedule] = []
         now: datetime | None = None
         next_slot: datetime | None = None

@@ -24,18 +24,14 @@ from ..config import Settings
 from ..errors import PrivilegeRefused, explain_timeouts
 from ..redact import redact
 from .base import (
-    AddedSchedule,
     AppliedMigration,
     Publication,
     PublicationFilter,
     PublicationStats,
-    ScheduleDefinition,
-    ScheduleRecord,
     ScheduleResult,
 )
 from .common import explain_cancel_refusal
 from .privileges import refuse_missing_grants, refuse_unusable_schema
-from .schedules import ScheduleStore
 from .sqlfiles import Migration, migrations, positional, queries
 from .url import DatabaseUrl
 
@@ -393,28 +389,6 @@ class PostgresStore:
     async def publication_stats(self) -> PublicationStats:
         row = await self.pool.fetchrow(Q["publication_stats"])
         return PublicationStats(row["scheduled"], row["due"], row["next_due"])
-
-    async def add_schedule(
-        self, definition: ScheduleDefinition, *, replace: bool = False
-    ) -> AddedSchedule:
-        async with self.transaction() as tx:
-            return await ScheduleStore(tx).add(definition, replace=replace)
-
-    async def remove_schedule(self, name: str) -> ScheduleRecord:
-        async with self.transaction() as tx:
-            return await ScheduleStore(tx).remove(name)
-
-    async def get_schedule(self, name: str) -> ScheduleRecord | None:
-        async with self.transaction(readonly=True) as tx:
-            return await ScheduleStore(tx).get(name)
-
-    async def list_schedules(self) -> list[ScheduleRecord]:
-        async with self.transaction(readonly=True) as tx:
-            return await ScheduleStore(tx).list_all()
-
-    async def set_schedule_paused(self, name: str, paused: bool) -> ScheduleRecord:
-        async with self.transaction() as tx:
-            return await ScheduleStore(tx).set_paused(name, paused)
 
     @asynccontextmanager
     async def transaction(self, *, readonly: bool = False) -> AsyncIterator[PgTx]:

@@ -285,17 +285,16 @@ RETURNING name, slot, instance
 -- name: plugin_due
 -- One read per tick, O(due): what is due (its slot passed, or a trigger waits), oldest
 -- first, so that however far behind the leader is no schedule starves; at most :limit
--- rows, none of :busy (schedules whose last run's result is not recorded yet). Always one
+-- rows. Always one
 -- row more: the outlook, with the database's now and the next slot to come, from the same
 -- index (kind 'outlook').
 WITH due AS (
     (SELECT name FROM scheduler_plugin_tasks
-     WHERE active AND NOT paused AND next_run_at <= now() AND NOT (name = ANY(:busy::text[]))
+     WHERE active AND NOT paused AND next_run_at <= now()
      ORDER BY next_run_at LIMIT :limit)
     UNION
     (SELECT name FROM scheduler_plugin_tasks
      WHERE active AND NOT paused AND trigger_requested_at IS NOT NULL
-       AND NOT (name = ANY(:busy::text[]))
      ORDER BY trigger_requested_at LIMIT :limit)
 )
 (SELECT 'due' AS kind, now() AS now, t.name, t.next_run_at, t.trigger_requested_at,

@@ -1,7 +1,7 @@
 """Runtime schedules' statements, for both backends: typed methods over the named queries
 ``schedule_*`` of ``postgres.sql`` / ``sqlite.sql``, inside a transaction the caller holds.
 
-The stores run them in a transaction of their own (``Store.add_schedule`` …); the
+``Client`` runs them in a transaction of the store's (``Client.add_schedule`` …); the
 application's API runs them on its own asyncpg connection, inside the transaction it has
 open there (``client.add_schedule_in``). Either way a refusal is decided before anything
 is written, so that it raises :class:`InvalidInput` and leaves that transaction usable.

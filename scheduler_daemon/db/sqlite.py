@@ -29,17 +29,13 @@ import aiosqlite
 from ..config import Settings
 from ..errors import ConfigError, SchemaMissing
 from .base import (
-    AddedSchedule,
     AppliedMigration,
     Publication,
     PublicationFilter,
     PublicationStats,
-    ScheduleDefinition,
-    ScheduleRecord,
     ScheduleResult,
 )
 from .common import explain_cancel_refusal, to_db_time
-from .schedules import ScheduleStore
 from .sqlfiles import migrations, queries
 from .sqlite_file import check_database_file, real_path
 from .url import DatabaseUrl
@@ -412,28 +408,6 @@ class SqliteStore:
         row = await self._fetchone(Q["publication_stats"])
         assert row is not None
         return PublicationStats(row["scheduled"], row["due"], from_julian_day(row["next_due_jd"]))
-
-    async def add_schedule(
-        self, definition: ScheduleDefinition, *, replace: bool = False
-    ) -> AddedSchedule:
-        async with self.transaction() as tx:
-            return await ScheduleStore(tx).add(definition, replace=replace)
-
-    async def remove_schedule(self, name: str) -> ScheduleRecord:
-        async with self.transaction() as tx:
-            return await ScheduleStore(tx).remove(name)
-
-    async def get_schedule(self, name: str) -> ScheduleRecord | None:
-        async with self.transaction(readonly=True) as tx:
-            return await ScheduleStore(tx).get(name)
-
-    async def list_schedules(self) -> list[ScheduleRecord]:
-        async with self.transaction(readonly=True) as tx:
-            return await ScheduleStore(tx).list_all()
-
-    async def set_schedule_paused(self, name: str, paused: bool) -> ScheduleRecord:
-        async with self.transaction() as tx:
-            return await ScheduleStore(tx).set_paused(name, paused)
 
     async def close(self) -> None:
         await self.conn.close()

@@ -153,13 +153,11 @@ WITH due AS (
     SELECT name FROM (
         SELECT name FROM scheduler_plugin_tasks
         WHERE active AND NOT paused AND julianday(next_run_at) <= julianday('now')
-          AND name NOT IN (SELECT value FROM json_each(:busy))
         ORDER BY julianday(next_run_at) LIMIT :limit)
     UNION
     SELECT name FROM (
         SELECT name FROM scheduler_plugin_tasks
         WHERE active AND NOT paused AND trigger_requested_at IS NOT NULL
-          AND name NOT IN (SELECT value FROM json_each(:busy))
         ORDER BY julianday(trigger_requested_at) LIMIT :limit)
 )
 SELECT * FROM (

@@ -166,7 +166,6 @@ class PluginWork:
         # run that crashed), by id: closed as abandoned by the next tick, even while their
         # batch goes on; their schedules are not claimed again until that committed.
         self._orphans: dict[int, str] = {}
-        self._written: set[int] = set()  # run ids whose results are written (per batch)
         # Wake-ups worth a tick: a place freed while something waited for one, results
         # written while something due waited for them (any other is a tick for nothing).
         self._want_place = False
@@ -206,7 +205,7 @@ class PluginWork:
                 # Schedules in flight are read too (their slot is skipped as overlapping),
                 # and those whose result is not written yet (they wait for it).
                 limit = max(1, self._free() + len(self.running) + len(self.unrecorded))
-                batch = await store.due(limit=limit, busy=())
+                batch = await store.due(limit)
                 clock = Clock(batch.now, time.monotonic())
                 plan_ = self._plan(batch)
                 # Said now, before the awaits below: a run that ends meanwhile must see
@@ -333,8 +332,8 @@ class PluginWork:
         starts: list[Start] = []
         got = {(run.name, run.slot): run for run in claimed}
         for claim in plan_.claims:
-            label = self._label(claim.name, plan_.specs.get(claim.name))
             if claim.skip_slot is not None and (claim.name, claim.skip_slot) in got:
+                label = self._label(claim.name, plan_.specs.get(claim.name))
                 self.metrics.plugin_runs.labels(label, "skipped_overlap").inc()
                 log.warning(
                     "task.skipped_overlap", task=claim.name, slot=claim.skip_slot.isoformat()
@@ -485,6 +484,7 @@ class PluginWork:
         stop_grace, before it lets go)."""
         entered = False
         runs: dict[asyncio.Task[Ended], Start] = {}
+        written: set[int] = set()  # run ids whose results are in the database
         try:
             async with pending as hold:
                 entered = True
@@ -494,7 +494,7 @@ class PluginWork:
                     )
                     self._track(start.spec, run)
                     runs[run] = start
-                await self._collect(hold, runs, log)
+                await self._collect(hold, runs, written, log)
         except Exception as exc:  # lost before or while committing: the runs stay `running`
             log.warning("plugin.hold_failed", error=describe(exc))
         finally:
@@ -503,15 +503,18 @@ class PluginWork:
             # A result not written stays `running` for a holder of the lock to abandon;
             # its schedule may be claimed again (it cannot have been meanwhile).
             for run, start in runs.items():
-                unwritten = start.run_id not in self._written
+                unwritten = start.run_id not in written
                 orphan = start.run_id in self._orphans  # unrecorded until abandoned
                 if run.done() and not run.cancelled() and unwritten and not orphan:
                     self.unrecorded.discard(start.spec.name)
-                self._written.discard(start.run_id)
             self.wake()
 
     async def _collect(
-        self, hold: Lease, runs: dict[asyncio.Task[Ended], Start], log: Logger
+        self,
+        hold: Lease,
+        runs: dict[asyncio.Task[Ended], Start],
+        written: set[int],
+        log: Logger,
     ) -> None:
         """Write the runs' results as they end: every RESULT_FLUSH_INTERVAL while some
         still run, at once when RESULT_FLUSH_SIZE wait, and the rest when the last ends."""
@@ -560,7 +563,7 @@ class PluginWork:
                         continue
                     for ended in buffered:
                         self.unrecorded.discard(ended.result.name)
-                        self._written.add(ended.result.id)
+                        written.add(ended.result.id)
                     buffered = []
                     attempts = 0
                     if self._want_results:  # a schedule of theirs was due meanwhile

@@ -9,10 +9,16 @@ from __future__ import annotations
 import asyncio
 import re
 import sqlite3
+from collections import Counter
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import aiosqlite
 import asyncpg
+
+from scheduler_daemon.db.sqlite import from_db_row, to_db_value
+from scheduler_daemon.db.url import DatabaseUrl
 
 _PLACEHOLDER = re.compile(r"\$(\d+)")
 
@@ -76,3 +82,56 @@ def execute(url: str, sql: str) -> None:
 def scalar(url: str, sql: str, *params: Any) -> Any:
     rows = fetch(url, sql, *params)
     return next(iter(rows[0].values())) if rows else None
+
+
+class Db:
+    """Plain SQL against the test's database, one short connection per call.
+
+    Write ``$1``-style parameters; for SQLite they become ``?1`` and times are converted
+    both ways (SQLite keeps them as text).
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = DatabaseUrl.parse(url)
+        self.backend = self.url.backend
+
+    async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
+        if self.backend == "postgres":
+            conn = await asyncpg.connect(self.url.postgres_dsn)
+            try:
+                return [dict(row) for row in await conn.fetch(sql, *args)]
+            finally:
+                await conn.close()
+        path = self.url.sqlite_path
+        assert path is not None
+        params = tuple(to_db_value(arg) for arg in args)
+        async with aiosqlite.connect(path, timeout=30) as conn:
+            conn.row_factory = sqlite3.Row
+            async with conn.execute(_PLACEHOLDER.sub(r"?\1", sql), params) as cursor:
+                rows = await cursor.fetchall()
+            await conn.commit()
+        return [from_db_row(row) for row in rows]
+
+    async def runs(self, name: str | None = None) -> list[dict[str, Any]]:
+        rows = await self.fetch(
+            "SELECT id, name, slot, instance, status, error, started_at, finished_at "
+            "FROM scheduler_plugin_runs ORDER BY id"
+        )
+        return [row for row in rows if name is None or row["name"] == name]
+
+    async def statuses(self, name: str) -> Counter[str]:
+        return Counter(row["status"] for row in await self.runs(name))
+
+    async def task(self, name: str) -> dict[str, Any]:
+        rows = await self.fetch("SELECT * FROM scheduler_plugin_tasks WHERE name = $1", name)
+        assert rows, f"task {name!r} is not registered"
+        row = rows[0]
+        row["active"], row["paused"] = bool(row["active"]), bool(row["paused"])
+        return row
+
+    async def now(self) -> datetime:
+        if self.backend == "postgres":
+            [row] = await self.fetch("SELECT now() AS now")
+            return row["now"]  # type: ignore[no-any-return]
+        [row] = await self.fetch("SELECT strftime('%Y-%m-%dT%H:%M:%fZ', 'now') AS now")
+        return row["now"]  # type: ignore[no-any-return]

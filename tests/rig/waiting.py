@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -20,3 +21,18 @@ def wait_until(condition: Callable[[], T], timeout: float, what: str, every: flo
         if time.monotonic() >= deadline:
             raise AssertionError(f"not within {timeout:g}s: {what}")
         time.sleep(every)
+
+
+async def until(
+    check: Callable[[], Awaitable[T]], what: str, within: float = 20.0, every: float = 0.1
+) -> T:
+    """Poll ``check`` until it returns something truthy; fail the test after ``within`` s."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        value = await check()
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"gave up after {within}s waiting for {what} (last: {value!r})")
+        await asyncio.sleep(every)
