@@ -38,7 +38,6 @@ from scheduler_daemon.daemon import Daemon
 from scheduler_daemon.logs import get_logger
 from scheduler_daemon.plugins.schedule import Cron
 
-
 TERMINAL = {"succeeded", "failed", "timed_out", "skipped_overlap", "abandoned"}
 
 

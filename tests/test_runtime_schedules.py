@@ -42,7 +42,6 @@ from scheduler_daemon.db.url import DatabaseUrl
 from scheduler_daemon.errors import InvalidInput, NotFound
 from scheduler_daemon.logs import get_logger
 
-
 PLUGINS_DOC = Path(__file__).resolve().parent.parent / "docs" / "plugins.md"
 
 RECORD_ARGS = "plugin_targets:record_args"
