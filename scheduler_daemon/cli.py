@@ -25,7 +25,7 @@ import click
 
 from . import __version__
 from .client import MAX_PAYLOAD_DEPTH, Client, ignored_changes
-from .config import LogSettings, Settings, load_settings, parse_duration
+from .config import Settings, load_settings, parse_duration
 from .db import (
     AddedSchedule,
     Publication,
@@ -145,7 +145,7 @@ def _settings(config_file: Path | None, quiet: bool = True) -> Settings:
     # One-shot commands only log problems (e.g. retries); `run` logs at the configured level.
     level = "warning" if quiet and settings.log.level in ("debug", "info") else settings.log.level
     configure_logging(
-        LogSettings(format=settings.log.format, level=level), instance=settings.instance_id
+        settings.log.model_copy(update={"level": level}), instance=settings.instance_id
     )
     return settings
 

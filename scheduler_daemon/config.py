@@ -483,6 +483,10 @@ class HttpSettings(Section):
 class LogSettings(Section):
     format: Literal["auto", "json", "console"] = "auto"
     level: Literal["debug", "info", "warning", "error"] = "info"
+    # At level debug, other libraries' stdlib loggers (aiosqlite, asyncpg, aiohttp, asyncio)
+    # still log at info and above unless this is true: their debug lines (aiosqlite's, one
+    # per statement of SQLite's 100 ms watch) would drown the daemon's own.
+    debug_libraries: bool = False
 
     @field_validator("level", mode="before")
     @classmethod

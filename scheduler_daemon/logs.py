@@ -2,7 +2,8 @@
 
 Every line carries ``event`` (a stable dotted name, listed in docs/operations.md) and
 ``instance``; loop lines add ``loop`` and ``tick``. Libraries' stdlib ``logging`` records
-go through the same processors, with ``logger`` naming them. Passwords are scrubbed from
+go through the same processors, with ``logger`` naming them; below info only if
+``log.debug_libraries`` asks for them. Passwords are scrubbed from
 every value (tracebacks included) as the last step before rendering, whatever put them
 there.
 """
@@ -22,6 +23,9 @@ from .errors import describe
 from .redact import redact
 
 Logger = FilteringBoundLogger
+
+# The stdlib logger the daemon's structlog events go through; any other is a library's.
+OWN_LOGGER = "scheduler_daemon"
 
 
 def _scrub(value: Any) -> Any:
@@ -83,8 +87,9 @@ def configure_logging(
     structlog events and stdlib ``logging`` records (asyncpg, aiohttp, asyncio, plugin
     code, warnings) end in the same processors and the same handler on the root logger:
     the same format, the same redaction, the traceback as the ``exception`` field, the
-    configured level. A stdlib record's ``event`` is its message; ``logger`` names it, and
-    ``instance`` (when given) the replica, as on the daemon's own lines.
+    configured level (for other libraries than the daemon, no lower than info unless
+    ``settings.debug_libraries``). A stdlib record's ``event`` is its message; ``logger``
+    names it, and ``instance`` (when given) the replica, as on the daemon's own lines.
     """
     stream = stream or sys.stderr
     as_json = settings.format == "json" or (settings.format == "auto" and not stream.isatty())
@@ -120,7 +125,11 @@ def configure_logging(
         root.removeHandler(previous)
         previous.close()
     root.addHandler(handler)
-    root.setLevel(level)
+    # The daemon's own logger (and its children) at the configured level; every other
+    # library's at no lower than info unless asked for: aiosqlite alone says one debug line
+    # per statement, some 40 a second from SQLite's 100 ms data_version watch.
+    root.setLevel(level if settings.debug_libraries else max(level, logging.INFO))
+    logging.getLogger(OWN_LOGGER).setLevel(level)
     logging.captureWarnings(True)  # warnings.warn(...) as a `py.warnings` line
     structlog.configure(
         processors=[
@@ -146,4 +155,4 @@ def _bind(**context: Any) -> Processor:
 
 def get_logger(**bound: Any) -> Logger:
     """A logger with the given context bound (``instance=…``, ``loop=…``)."""
-    return cast(Logger, structlog.get_logger("scheduler_daemon").bind(**bound))
+    return cast(Logger, structlog.get_logger(OWN_LOGGER).bind(**bound))

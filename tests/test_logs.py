@@ -127,6 +127,60 @@ def test_configuring_again_replaces_the_handler() -> None:
     assert [line["event"] for line in json_lines(second.getvalue())] == ["once"]
 
 
+@pytest.mark.usefixtures("restore_logging")
+def test_other_libraries_stay_at_info_at_debug_level_unless_asked_for() -> None:
+    stream = captured("json", level="debug")
+    logging.getLogger("aiosqlite").debug("executing functools.partial(...)")
+    logging.getLogger("aiosqlite").info("kept")
+    get_logger().debug("own.debug")
+    logging.getLogger("scheduler_daemon.child").debug("own.child")
+    assert [line["event"] for line in json_lines(stream.getvalue())] == [
+        "kept",
+        "own.debug",
+        "own.child",
+    ]
+    stream = io.StringIO()
+    settings = LogSettings(format="json", level="debug", debug_libraries=True)
+    configure_logging(settings, stream, instance="i1")
+    logging.getLogger("aiosqlite").debug("executing functools.partial(...)")
+    get_logger().debug("own.debug")
+    assert [line["event"] for line in json_lines(stream.getvalue())] == [
+        "executing functools.partial(...)",
+        "own.debug",
+    ]
+
+
+@pytest.mark.processes
+def test_a_debug_daemon_on_sqlite_shows_its_own_events_not_the_libraries(
+    daemons: Daemons,
+) -> None:
+    """`make run` (SQLite, level debug): the ticks are what shows, not aiosqlite's line per
+    statement of the 100 ms watch; `log.debug_libraries` brings those back."""
+    env = {"SCHEDULER_LOG__LEVEL": "debug"}
+    quiet = daemons.start(env, name="quiet")
+    loud = daemons.start({**env, "SCHEDULER_LOG__DEBUG_LIBRARIES": "true"}, name="loud")
+    for daemon in (quiet, loud):
+        daemon.wait_for_log("daemon.started")
+    time.sleep(3)
+    counts: dict[str, tuple[int, int, int]] = {}
+    for daemon in (quiet, loud):
+        daemon.wait_for_log("tick.done", loop="publish")
+        daemon.signal(signal.SIGTERM)
+        assert daemon.wait(30) == 0, daemon.output()[-3000:]
+        lines = (daemon.stdout_path.read_text() + daemon.stderr_path.read_text()).splitlines()
+        events = [json.loads(line) for line in lines]
+        own = [e for e in events if "logger" not in e]
+        debug = [e for e in events if "logger" in e and e["level"] == "debug"]
+        counts[daemon.name] = (len(lines), len(own), len(debug))
+        assert any(e["event"] == "tick.done" for e in own), "the daemon's debug events show"
+    assert counts["quiet"][2] == 0, "no library's debug line without the opt-in"
+    assert counts["loud"][2] > 0, "log.debug_libraries brings the libraries' debug lines back"
+    print(
+        "\n(lines, the daemon's own, libraries' debug) over a few seconds at level debug: "
+        f"default {counts['quiet']}, log.debug_libraries {counts['loud']}"
+    )
+
+
 # -- a real daemon through a database outage --------------------------------------------
 
 
