@@ -10,11 +10,13 @@ once (a NOTIFY from the tasks table). Commit rates are the benchmark's business
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
@@ -181,6 +183,55 @@ def test_a_lost_listen_connection_is_reopened_and_wake_ups_still_arrive(
         raise AssertionError("not published within 10 s: the wake-up was lost")
     print(f"\nafter the LISTEN connection was reopened: published {late * 1000:.0f} ms late")
     stop_all([leader])
+
+
+@pytest.mark.parametrize("drop", ["unsubscribe", "close", "cancel"])
+async def test_no_listen_connection_outlives_its_last_channel_dropped_while_it_opened(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, drop: str
+) -> None:
+    """A loop stops leading (unsubscribe), the daemon stops (close) or the subscribing loop
+    is cancelled while the listener is still opening its connection for that loop: the
+    connection it was opening is closed, not kept LISTENing for nobody."""
+    from scheduler_daemon.config import Settings
+    from scheduler_daemon.db.connect import open_store
+    from scheduler_daemon.db.listen import Listener
+    from scheduler_daemon.db.postgres import PostgresStore
+    from scheduler_daemon.logs import get_logger
+
+    settings = Settings(database_url=pg_url, instance_id="race-1")  # type: ignore[arg-type]
+    store = await open_store(settings)
+    assert isinstance(store, PostgresStore)
+    listener = Listener(store, get_logger())
+    connected, proceed = asyncio.Event(), asyncio.Event()
+    real_add_listener = asyncpg.Connection.add_listener
+
+    async def wait_then_add_listener(conn: asyncpg.Connection, *args: Any) -> None:
+        connected.set()
+        await proceed.wait()  # the connection is open, not yet the listener's
+        await real_add_listener(conn, *args)
+
+    monkeypatch.setattr(asyncpg.Connection, "add_listener", wait_then_add_listener)
+    try:
+        subscribing = asyncio.create_task(listener.subscribe("scheduler_due", print))
+        await asyncio.wait_for(connected.wait(), 10)
+        assert await _backends(pg_url, "scheduler-daemon/race-1/listen") == 1
+        if drop == "cancel":
+            subscribing.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await subscribing
+        else:
+            listener.unsubscribe("scheduler_due") if drop == "unsubscribe" else listener.close()
+            proceed.set()
+            await asyncio.wait_for(subscribing, 10)
+        assert not listener.listening
+        deadline = time.monotonic() + 10  # terminate() closes the socket; the server follows
+        while await _backends(pg_url, "scheduler-daemon/race-1/listen"):
+            assert time.monotonic() < deadline, "a LISTEN connection with no channel is open"
+            await asyncio.sleep(0.05)
+    finally:
+        proceed.set()
+        listener.close()
+        await store.close()
 
 
 async def _fetch(dsn: str, sql: str) -> list[asyncpg.Record]:

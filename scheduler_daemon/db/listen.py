@@ -71,17 +71,20 @@ class Listener:
                 known.callback = callback  # still LISTENed to, if the connection is up
             else:
                 subscription = self._subscriptions[channel] = _Subscription(callback)
-                if self._conn is not None and self.listening:
+                conn = self._conn
+                if conn is not None and self.listening:
                     try:
-                        await self._conn.add_listener(channel, subscription)
+                        await conn.add_listener(channel, subscription)
                     except Exception as exc:
-                        self.log.warning("listen.failed", channel=channel, error=describe(exc))
-                        self._close()
+                        if conn is self._conn:  # (not closed meanwhile by unsubscribe)
+                            self.log.warning("listen.failed", channel=channel, error=describe(exc))
+                            self._close()
             await self._ensure()
 
     def unsubscribe(self, channel: str) -> None:
         """Stop calling the channel's callback; no network round trip (see _Subscription).
-        The connection is closed once no channel has a callback."""
+        The connection is closed once no channel has a callback (one still being opened
+        by _ensure is closed there, when it sees nobody wants it any more)."""
         subscription = self._subscriptions.get(channel)
         if subscription is not None:
             subscription.callback = None
@@ -106,11 +109,19 @@ class Listener:
             detect_dead_peer(conn, self.store.settings.lock.step_down_after)
             for channel, subscription in list(self._subscriptions.items()):
                 await conn.add_listener(channel, subscription)
-        except Exception as exc:
+        except BaseException as exc:
             if conn is not None:
                 conn.terminate()
+            if not isinstance(exc, Exception):
+                raise  # cancelled: nothing opened is left behind
             self._retry_at = time.monotonic() + LISTEN_RETRY
             self.log.warning("listen.failed", error=describe(exc))
+            return
+        if not self._subscriptions:
+            # unsubscribe() (or close()) dropped the last channel while this connected,
+            # without the lock and while _conn was still None: nobody wants the
+            # connection now, and nothing else would ever close it.
+            conn.terminate()
             return
         self._conn = conn
         conn.add_termination_listener(self._lost)
