@@ -155,6 +155,51 @@ async def test_every_session_asks_the_server_to_notice_a_vanished_client(pg_url:
         await store.close()
 
 
+@pytest.mark.postgres
+@pytest.mark.parametrize("how", ["fails", "is cancelled"])
+async def test_a_dedicated_connection_whose_setup_fails_is_closed(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """connect_dedicated opens the connection, then sets it up (the JSON codecs): when that
+    fails or is cancelled, the connection it opened is closed, not left to the server."""
+    from scheduler_daemon.db import postgres
+
+    store = await open_store(Settings(database_url=pg_url, instance_id="setup-1"))
+    assert isinstance(store, postgres.PostgresStore)
+    started = asyncio.Event()
+
+    async def broken_setup(conn: asyncpg.Connection) -> None:
+        await conn.fetchval("SELECT 1")  # the session is up on the server
+        started.set()
+        if how == "fails":
+            raise asyncpg.QueryCanceledError("canceling statement due to statement timeout")
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(postgres, "_init_connection", broken_setup)
+    try:
+        connecting = asyncio.create_task(store.connect_dedicated("setup"))
+        await asyncio.wait_for(started.wait(), 10)
+        if how == "is cancelled":
+            connecting.cancel()
+        with pytest.raises((asyncpg.QueryCanceledError, asyncio.CancelledError)):
+            await connecting
+        deadline = asyncio.get_running_loop().time() + 10
+        while await _sessions(store, "scheduler-daemon/setup-1/setup"):
+            assert asyncio.get_running_loop().time() < deadline, "its session is still open"
+            await asyncio.sleep(0.05)
+    finally:
+        await store.close()
+
+
+async def _sessions(store: object, application_name: str) -> int:
+    async with store.pool.acquire() as conn:  # type: ignore[attr-defined]
+        count: int = await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+            application_name,
+        )
+        return count
+
+
 async def test_opening_a_missing_sqlite_file_without_create_leaves_none(tmp_path: Path) -> None:
     path = tmp_path / "scheduler.db"
     settings = Settings(database_url=f"sqlite:///{path}")

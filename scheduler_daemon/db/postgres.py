@@ -298,7 +298,11 @@ class PostgresStore:
                 server_settings=server_settings,
                 statement_cache_size=self.statement_cache_size(self.settings),
             )
-        await _init_connection(conn)
+        try:
+            await _init_connection(conn)
+        except BaseException:  # failed or cancelled: the caller never gets it to close
+            conn.terminate()
+            raise
         return conn
 
     async def server_version(self) -> tuple[int, int]:
