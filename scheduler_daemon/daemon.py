@@ -7,7 +7,8 @@ Lifecycle (one AsyncExitStack owns every resource; each step registers its own c
 2. connect to the database, retrying within ``database.startup_budget`` (exit 69 after;
    exit 78 at once if it refuses the login);
 3. migrate (serialised across replicas); on a schema newer than this build knows, the
-   loops start idle and never contend (schema_gate.py);
+   loops start idle and never contend (schema_gate.py); check the grants. A stop requested
+   while connecting, migrating or checking ends startup at once (exit 0);
 4. start one owned task per enabled loop and wait until each has really started; then
    ``/readyz`` and ``/status`` answer from the database;
 5. run until a stop is requested, or until a loop task ends by itself — a bug, so the
@@ -209,7 +210,13 @@ class Daemon:
             if self.http is not None:
                 # Unwound just before store.close: no probe asks a closing store.
                 stack.callback(self.http.detach)
-            await self._prepare(store)
+            # Migrating may wait on another replica's migration, and any step on a slow
+            # database: a stop requested meanwhile ends startup now (exit 0), not after
+            # database.startup_budget.
+            prepared = await unless_set(self._prepare(store), self.stopping)
+            if prepared.cancelled():
+                return EXIT_OK
+            prepared.result()
             self.metrics.database_up.set(1)
             self._starting("starting the loops")
             await self._start_workers(stack)

@@ -493,6 +493,109 @@ def test_a_transient_migration_failure_is_retried(daemons: Daemons, pg_empty_url
     assert process.poll() is None
 
 
+@pytest.mark.postgres
+@pytest.mark.processes
+def test_sigterm_while_migrating_waits_on_the_migration_lock_exits_0_at_once(
+    daemons: Daemons, pg_empty_url: str
+) -> None:
+    """Another replica migrating holds the migration lock: startup waits on it (up to
+    database.startup_budget, retried past each statement timeout) and SIGTERM ends the
+    wait and the process at once, exit 0, with nothing applied and no session left."""
+    from scheduler_daemon.db.postgres import MIGRATION_LOCK_KEY
+
+    hold = f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_KEY})"
+    _sigterm_while_startup_waits(daemons, pg_empty_url, hold)
+
+
+@pytest.mark.postgres
+@pytest.mark.processes
+def test_sigterm_while_startup_waits_on_the_version_table_exits_0_at_once(
+    daemons: Daemons, pg_url: str
+) -> None:
+    """The same while reading which migrations are applied waits on another migration's
+    lock on the version table (its ALTERs in flight)."""
+    hold = "LOCK TABLE scheduler_schema_version IN ACCESS EXCLUSIVE MODE"
+    _sigterm_while_startup_waits(daemons, pg_url, hold)
+
+
+@pytest.mark.postgres
+async def test_a_stop_while_the_grants_are_checked_ends_startup_at_once(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The grant check is the last step before the loops start; a stop requested while it
+    waits (a slow database: here, one that never answers) ends startup with exit 0."""
+    from scheduler_daemon.daemon import Daemon
+    from scheduler_daemon.db import privileges
+
+    checking, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def never_answers(*_args: object) -> None:
+        checking.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cancelled.set()
+
+    monkeypatch.setattr(privileges, "refuse_missing_grants", never_answers)
+    settings = Settings(
+        database_url=pg_url,  # type: ignore[arg-type]
+        http={"enabled": False},
+        database={"startup_budget": 600},
+    )
+    daemon = Daemon(settings, get_logger())
+    running = asyncio.create_task(daemon.run())
+    await asyncio.wait_for(checking.wait(), 30)
+    daemon.request_stop("SIGTERM")
+    assert await asyncio.wait_for(running, 30) == 0
+    assert cancelled.is_set()
+    assert not daemon.started.is_set()
+
+
+def _sigterm_while_startup_waits(daemons: Daemons, url: str, hold: str) -> None:
+    async def sigterm_while_waiting() -> DaemonProcess:
+        holder, watcher = await asyncpg.connect(url), await asyncpg.connect(url)
+        try:
+            async with holder.transaction():
+                await holder.execute(hold)
+                process = daemons.start(
+                    {
+                        "SCHEDULER_DATABASE_URL": url,
+                        "SCHEDULER_INSTANCE_ID": "startup-1",
+                        "SCHEDULER_DATABASE__STARTUP_BUDGET": "10m",
+                    }
+                )
+                deadline = time.monotonic() + 30
+                while not await watcher.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND application_name = 'scheduler-daemon/startup-1/migrate'"
+                ):
+                    assert process.poll() is None, process.output()[-3000:]
+                    assert time.monotonic() < deadline, process.output()[-3000:]
+                    await asyncio.sleep(0.05)
+                process.signal(signal.SIGTERM)
+                # The budget is 10 minutes, the statement timeout 30 s: an exit within this
+                # bound is the stop, not a timeout; and the lock is still held.
+                code = await asyncio.to_thread(process.wait, 20)
+                assert code == 0, process.output()[-3000:]
+            deadline = time.monotonic() + 10  # the server notices the closed sockets
+            while await watcher.fetchval(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE application_name LIKE 'scheduler-daemon/startup-1/%'"
+            ):
+                assert time.monotonic() < deadline, "the exited daemon's sessions outlive it"
+                await asyncio.sleep(0.05)
+            return process
+        finally:
+            await holder.close()
+            await watcher.close()
+
+    process = asyncio.run(sigterm_while_waiting())
+    events = [e.get("event") for e in process.log_events()]
+    assert "daemon.stopping" in events
+    assert "db.migrated" not in events, events
+    assert "daemon.started" not in events, events
+
+
 @pytest.mark.parametrize(
     "url_fixture", ["sqlite_empty_url", pytest.param("pg_empty_url", marks=pytest.mark.postgres)]
 )
