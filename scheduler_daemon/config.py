@@ -229,6 +229,13 @@ class PublishSettings(Section):
     sql: SqlPublisherSettings = Field(default_factory=SqlPublisherSettings)
     webhook: WebhookPublisherSettings = Field(default_factory=WebhookPublisherSettings)
     max_payload_bytes: int = Field(default=1024 * 1024, ge=2)
+    # The longest one publisher may take over one call (a batch, or one row when a failed
+    # batch is retried row by row); past it the call is cancelled and fails like an error.
+    # In session and transaction mode alike the leader keeps its lock meanwhile, so this
+    # may exceed lock.stall_timeout; rows due behind the batch wait that long at most
+    # (and batch_size times that if the batch is then retried row by row and every row
+    # hangs too).
+    publisher_timeout: Duration = 30.0
     # Published, cancelled and failed rows older than this are purged by the built-in
     # plugin task purge_publications.
     retention: Duration = 30 * 86400.0

@@ -31,7 +31,7 @@ from .aio import unless_set
 from .config import Settings
 from .db.connect import connect, within_startup_budget
 from .db.listen import Listener
-from .errors import EXIT_OK, EXIT_SOFTWARE, ConfigError, describe
+from .errors import EXIT_OK, EXIT_SOFTWARE, ConfigError, SchedulerError, describe
 from .http import HttpServer
 from .leadership import Guard, make_guard
 from .leadership.pooler import detect_transaction_pooler
@@ -358,13 +358,16 @@ class Daemon:
                 await stop
         if self.stopping.is_set():
             return EXIT_OK
+        code = EXIT_SOFTWARE
         for name, task in tasks.items():
             if task.done():
                 error = task.exception() if not task.cancelled() else None
                 why = describe(error) if error else "ended without an exception"
                 self.log.error("loop.died", loop=name, error=why)
+                if isinstance(error, SchedulerError):  # explained: its own exit code
+                    code = error.exit_code
         self.stopping.set()
-        return EXIT_SOFTWARE
+        return code
 
     async def _stop_tasks(self, tasks: Mapping[str, asyncio.Task[None]]) -> None:
         self.stopping.set()

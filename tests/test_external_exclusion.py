@@ -281,14 +281,16 @@ def test_a_frozen_leader_resumed_after_eviction_stops_within_the_documented_wind
     """SIGSTOP mid-run: the worker of the sync run stops itself with its frozen parent; the
     standby evicts the leader and runs. SIGCONT: what the old leader still does is the one
     window no process can close. It must end within 1 s of resuming, and its records carry
-    the old, smaller fencing token — what an external system would refuse."""
+    the old, smaller fencing token — what an external system would refuse. A target that
+    checks ctx.leading before each write makes none after SIGCONT: the age of the last
+    proof says at once what the heartbeat would say only when its timer runs."""
     log = tmp_path / "effects.jsonl"
-    tasks = [task("async"), task("sync")]
+    tasks = [task("async"), task("sync"), task("async_checked")]
     first = daemons.start(replica_env(pg_url, "f1", log, tasks, 3.0), PLUGIN_ONLY, "f1")
     first_leader([first])
     second = daemons.start(replica_env(pg_url, "f2", log, tasks, 3.0), PLUGIN_ONLY, "f2")
     second.wait_for_log("leader.waiting", loop="plugin")
-    mid_run(log, "f1", {"async", "sync"})
+    mid_run(log, "f1", {"async", "sync", "async_checked"})
     stopped_at = time.time()
     first.signal(signal.SIGSTOP)
     wait_for_event(second, "leader.acquired", after=stopped_at, loop="plugin", timeout=30)
@@ -306,8 +308,15 @@ def test_a_frozen_leader_resumed_after_eviction_stops_within_the_documented_wind
         during = [b for b in beats if stopped_at + 0.2 < b["t"] < resumed_at]
         assert not during, f"{run.describe()} worked while its leader was frozen: {during[:3]}"
     window = max(run.end for run in frozen_runs) - resumed_at
-    print(f"\nfrozen leader: its work stopped {window * 1000:.1f} ms after it resumed")
+    stale = sorted(
+        (r["t"] - resumed_at, r["kind"]) for r in _records(log)
+        if r["instance"] == "f1" and r["event"] == "beat" and r["t"] > resumed_at
+    )  # fmt: skip
+    print(f"\nfrozen leader: its work stopped {window * 1000:.1f} ms after it resumed; "
+          f"first stale write {stale[0][0] * 1000 if stale else 0:.2f} ms after, by "
+          f"{sorted({kind for _, kind in stale})}")  # fmt: skip
     assert window < 1.0
+    assert all(kind != "async_checked" for _, kind in stale), stale
     summary = check_effects(
         read_effects(log), min_runs=3, min_instances=2, allow=lambda run: run in frozen_runs
     )
@@ -559,3 +568,45 @@ def test_python_publishers_never_run_on_two_replicas_at_once(
         read_effects(log), min_runs=10, min_instances=2 if mode == "session" else 1
     )
     print(f"\npublisher batches per instance ({mode} mode): {summary.runs}")
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+def test_a_publisher_slower_than_stall_timeout_runs_on_one_replica_and_publishes(
+    pg_url: str, daemons: Daemons, tmp_path: Path, mode: str
+) -> None:
+    """Each batch of the Python publisher works longer than stall_timeout (3 s). The
+    leader's connection is kept talking between its statements, so no server timeout
+    takes the lock from under a live publisher: no batch runs beside another replica's,
+    and every publication is published once. (Transaction mode used to let the server end
+    the idle tick transaction: 6 of 6 batches overlapped the next replica's, and nothing
+    was ever published.)"""
+    log = tmp_path / "effects.jsonl"
+    fetch(
+        pg_url,
+        "INSERT INTO scheduler_publications (publish_at) SELECT now() FROM generate_series(1, 6)",
+    )
+    env = {
+        **FAST_TIMINGS,
+        "SCHEDULER_DATABASE_URL": pg_url,
+        "SCHEDULER_LOCK__MODE": mode,
+        "SCHEDULER_PUBLISH__BATCH_SIZE": "3",
+        "SCHEDULER_PUBLISH__PUBLISHERS": '["effects"]',
+        "EFFECTS_LOG": str(log),
+        "EFFECTS_PUBLISH_SECONDS": f"{STALL_TIMEOUT + 1:g}",
+    }
+    replicas = [
+        daemons.start(
+            env | {"SCHEDULER_INSTANCE_ID": f"s{n}"}, ("run", "--only", "publish"), f"s{n}"
+        )
+        for n in (1, 2, 3)
+    ]
+    wait_until(
+        lambda: fetch(pg_url, "SELECT count(*) AS n FROM scheduler_publications "
+                      "WHERE status = 'published'")[0]["n"] == 6,
+        40, "every publication published",
+    )  # fmt: skip
+    stop_all(replicas)
+    summary = check_effects(read_effects(log), min_runs=2, min_instances=1)
+    batches = [run for run in read_effects(log) if run.loop == "publish"]
+    assert len(batches) == 2, batches  # each row published in one batch, never again
+    print(f"\n{mode} mode, {STALL_TIMEOUT + 1:g} s batches: {summary.runs}")

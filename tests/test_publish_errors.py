@@ -10,6 +10,7 @@ fails its row.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 import time
@@ -26,6 +27,7 @@ from test_publish import start
 
 from scheduler_daemon.config import Settings
 from scheduler_daemon.db.connect import is_transient, is_transient_database_error
+from scheduler_daemon.leadership import LeadershipLost
 from scheduler_daemon.logs import get_logger
 from scheduler_daemon.loops.base import Tick
 from scheduler_daemon.loops.publish import TRANSIENT_BATCH_ATTEMPTS, PublishWork
@@ -119,6 +121,33 @@ def test_python_publisher_network_error_fails_only_its_row(
     assert failed_batches[0]["error"].startswith(f"{error}:")
     assert [e["publication_id"] for e in events(process, "publish.row_failed")] == [poison]
     assert not events(process, "publish.batch_retry"), "not a database error: no retry"
+    assert not events(process, "tick.failed")
+
+
+def test_a_publisher_that_hangs_times_out_and_fails_only_its_row(
+    daemons: Daemons, database_url: str
+) -> None:
+    """A publisher call that never returns used to stop publishing for good (and in
+    session mode the heartbeat kept the hung leader in office). Now the call is cancelled
+    after publish.publisher_timeout: the batch is retried row by row, the row that hangs
+    again fails saying so, and the rows behind it publish."""
+    url = database_url
+    fetch(url, "CREATE TABLE sample_publisher_audit (publication_id bigint, instance text)")
+    payloads: list[dict[str, Any]] = [{"n": n} for n in range(20)]
+    payloads[3] = {"hang": True}
+    ids = insert_due(url, payloads, "h")
+    hung = ids[3]
+    process = start(
+        daemons, url, SCHEDULER_PUBLISH__PUBLISHERS='["sample"]',
+        SCHEDULER_PUBLISH__BATCH_SIZE="10", SCHEDULER_PUBLISH__PUBLISHER_TIMEOUT="1s",
+    )  # fmt: skip
+    wait_until(lambda: pending(url) == 0, timeout=30, what="every due row handled")
+    timed_out = (
+        "PublisherTimedOut: publisher 'sample' timed out after 1s (publish.publisher_timeout)"
+    )
+    assert by_status(url, "failed") == [{"id": hung, "key": "h4", "last_error": timed_out}]
+    assert [row["id"] for row in by_status(url, "published")] == [i for i in ids if i != hung]
+    assert [e["error"] for e in events(process, "publish.batch_failed")] == [timed_out]
     assert not events(process, "tick.failed")
 
 
@@ -271,16 +300,66 @@ def batch_of(*ids: int) -> list[Published]:
     return [Published(i, f"k{i}", {}, at, at) for i in ids]
 
 
-def work_with(publisher: FakePublisher) -> PublishWork:
-    return PublishWork(None, Settings(), [publisher], Metrics(), get_logger())  # type: ignore[arg-type]
+class FreshLease:
+    """A lease whose last proof is as fresh as ``fresh`` says."""
+
+    def __init__(self, fresh: bool = True) -> None:
+        self.is_fresh = fresh
+        self.reason = None if fresh else "heartbeat 9.0s late (process stalled)"
+
+    def fresh(self) -> bool:
+        return self.is_fresh
+
+
+def tick(lease: FreshLease | None = None) -> Tick:
+    return Tick("publish", 1, get_logger(), lease or FreshLease())  # type: ignore[arg-type]
+
+
+def work_with(publisher: FakePublisher, **publish: Any) -> PublishWork:
+    settings = Settings(publish=publish)
+    return PublishWork(None, settings, [publisher], Metrics(), get_logger())  # type: ignore[arg-type]
 
 
 async def test_publisher_oserror_is_a_row_failure() -> None:
     publisher = FakePublisher({2: lambda: OSError("endpoint refused")})
     work, tx = work_with(publisher), FakeTx()
-    failed = await work._run_publishers(tx, batch_of(1, 2, 3), get_logger())  # type: ignore[arg-type]
+    failed = await work._run_publishers(tx, batch_of(1, 2, 3), tick())  # type: ignore[arg-type]
     assert failed == {2: "OSError: endpoint refused"} == tx.failed
     assert publisher.calls == [[1, 2, 3], [1], [2], [3]]
+
+
+async def test_a_publisher_past_its_timeout_is_cancelled_and_fails_its_row() -> None:
+    publisher = FakePublisher({2: lambda: OSError("unused")})
+    hanging: list[int] = []
+
+    async def hang(tx: Any, rows: Sequence[Published]) -> None:
+        publisher.calls.append([row.id for row in rows])
+        if any(row.id == 2 for row in rows):
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                hanging.append(len(rows))
+                raise
+
+    publisher.publish = hang  # type: ignore[method-assign]
+    work, tx = work_with(publisher, publisher_timeout=0.05), FakeTx()
+    failed = await work._run_publishers(tx, batch_of(1, 2, 3), tick())  # type: ignore[arg-type]
+    error = "PublisherTimedOut: publisher 'fake' timed out after 0.05s (publish.publisher_timeout)"
+    assert failed == {2: error} == tx.failed
+    assert publisher.calls == [[1, 2, 3], [1], [2], [3]]
+    assert hanging == [3, 1]  # both hung calls were cancelled, not left running
+
+
+async def test_a_publisher_is_not_called_once_the_last_proof_is_stale() -> None:
+    """A leader resumed after a freeze: its tick may run before the heartbeat that would
+    notice. The age of the last proof stops the publisher call before it starts, and
+    nothing is marked failed (the batch rolls back for the next leader)."""
+    publisher = FakePublisher({})
+    work, tx = work_with(publisher), FakeTx()
+    with pytest.raises(LeadershipLost, match="stalled"):
+        await work._run_publishers(tx, batch_of(1, 2), tick(FreshLease(fresh=False)))  # type: ignore[arg-type]
+    assert publisher.calls == []
+    assert tx.failed == {}
 
 
 async def test_a_lost_connection_rolls_the_batch_back_whatever_the_publisher_raised() -> None:
@@ -290,7 +369,7 @@ async def test_a_lost_connection_rolls_the_batch_back_whatever_the_publisher_rai
     work, tx = work_with(publisher), FakeTx()
     publisher.kill = tx
     with pytest.raises(asyncpg.InterfaceError):
-        await work._run_publishers(tx, batch_of(1, 2, 3), get_logger())  # type: ignore[arg-type]
+        await work._run_publishers(tx, batch_of(1, 2, 3), tick())  # type: ignore[arg-type]
     assert tx.failed == {}
 
 
@@ -300,17 +379,17 @@ async def test_transient_database_error_is_retried_then_isolated_and_fails_its_r
     for _attempt in range(TRANSIENT_BATCH_ATTEMPTS):
         tx = FakeTx()
         with pytest.raises(asyncpg.LockNotAvailableError):
-            await work._run_publishers(tx, batch_of(1, 2, 3), get_logger())  # type: ignore[arg-type]
+            await work._run_publishers(tx, batch_of(1, 2, 3), tick())  # type: ignore[arg-type]
         assert tx.failed == {}
     # The next tick picks the same rows first (and one more that became due meanwhile).
     publisher.calls.clear()
     tx = FakeTx()
-    failed = await work._run_publishers(tx, batch_of(1, 2, 3, 4), get_logger())  # type: ignore[arg-type]
+    failed = await work._run_publishers(tx, batch_of(1, 2, 3, 4), tick())  # type: ignore[arg-type]
     assert failed == {2: "LockNotAvailableError: lock timeout"} == tx.failed
     assert publisher.calls == [[1], [2], [3], [4]], "isolated: no batch attempt first"
     # Done with: the next batch runs as one again.
     publisher.calls.clear()
-    assert await work._run_publishers(FakeTx(), batch_of(5, 6), get_logger()) == {}  # type: ignore[arg-type]
+    assert await work._run_publishers(FakeTx(), batch_of(5, 6), tick()) == {}  # type: ignore[arg-type]
     assert publisher.calls == [[5, 6]]
 
 
@@ -323,13 +402,13 @@ async def test_a_transient_error_that_passes_resets_the_count() -> None:
     work = work_with(publisher)
     for _ in range(TRANSIENT_BATCH_ATTEMPTS - 1):
         with pytest.raises(asyncpg.DeadlockDetectedError):
-            await work._run_publishers(FakeTx(), batch_of(1, 2), get_logger())  # type: ignore[arg-type]
+            await work._run_publishers(FakeTx(), batch_of(1, 2), tick())  # type: ignore[arg-type]
     publisher.errors = {}
-    assert await work._run_publishers(FakeTx(), batch_of(1, 2), get_logger()) == {}  # type: ignore[arg-type]
+    assert await work._run_publishers(FakeTx(), batch_of(1, 2), tick()) == {}  # type: ignore[arg-type]
     # A new streak starts from zero: the next deadlock is retried again, not isolated.
     publisher.errors = {1: deadlock}
     with pytest.raises(asyncpg.DeadlockDetectedError):
-        await work._run_publishers(FakeTx(), batch_of(1, 2), get_logger())  # type: ignore[arg-type]
+        await work._run_publishers(FakeTx(), batch_of(1, 2), tick())  # type: ignore[arg-type]
 
 
 # -- wake-ups that arrive while a tick runs ------------------------------------------------
@@ -382,4 +461,26 @@ async def test_a_notification_during_a_tick_is_never_judged_against_the_last_pla
 
     woken.clear()  # between ticks, a row due later than planned needs no wake-up
     work._on_notification((datetime.now(UTC) + timedelta(hours=1)).isoformat())
+    assert woken == []
+
+
+async def test_after_a_failed_tick_notifications_wait_for_the_retry() -> None:
+    """A failed tick is retried after the interval. Its plan used to stay "a tick is
+    running" (-inf), so every notification woke the loop at once, to fail again."""
+    work = PublishWork(None, Settings(), [], Metrics(), get_logger())  # type: ignore[arg-type]
+    woken: list[float] = []
+    work.wake = lambda: woken.append(time.time())
+    lease = ScriptedLease()
+    lease.tx = ScriptedTx(0.0, during=lambda: None)
+    await work.tick(Tick("publish", 1, get_logger(), lease))  # type: ignore[arg-type]
+
+    def fail() -> None:
+        raise asyncpg.UndefinedTableError("relation does not exist")
+
+    lease.tx = ScriptedTx(0.0, during=fail)
+    with pytest.raises(asyncpg.UndefinedTableError):
+        await work.tick(Tick("publish", 2, get_logger(), lease))  # type: ignore[arg-type]
+    woken.clear()
+    for _ in range(3):
+        work._on_notification(datetime.now(UTC).isoformat())
     assert woken == []

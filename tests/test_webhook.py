@@ -23,6 +23,7 @@ from rig.sql import afetch
 from rig.ticks import FAST_TIMINGS
 
 from scheduler_daemon.config import DEFAULT_PUBLISH_KEY, WebhookPublisherSettings
+from scheduler_daemon.leadership import LeadershipLost
 from scheduler_daemon.logs import get_logger
 from scheduler_daemon.metrics import Metrics
 from scheduler_daemon.publishers.webhook import (
@@ -172,6 +173,29 @@ def outbox_row(publication_id: int = 7) -> dict[str, Any]:
     }
 
 
+@dataclass
+class Held:
+    """What a POST reads of its hold: the token it sends, and whether it may send."""
+
+    fencing_token: int
+    reason: str | None = None
+    is_fresh: bool = True
+
+    def fresh(self) -> bool:
+        return self.is_fresh
+
+
+async def test_no_post_leaves_once_the_last_proof_is_stale(endpoint: dict[str, Any]) -> None:
+    """A leader resumed after a freeze: its POST tasks may run before the heartbeat that
+    would notice. The age of the last proof stops the request before it is sent."""
+    url = f"{endpoint['base']}/redirect/307?to=none"
+    stale = Held(fencing_token=7, reason="heartbeat 9.0s late (process stalled)", is_fresh=False)
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(LeadershipLost, match="stalled"):
+            await deliverer(url)._post(session, outbox_row(), stale)  # type: ignore[arg-type]
+    assert endpoint["redirects"] == [], "a request was sent"
+
+
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
 @pytest.mark.parametrize(
     ("to", "expected"),
@@ -186,7 +210,7 @@ async def test_post_never_follows_a_redirect(
 ) -> None:
     url = f"{endpoint['base']}/redirect/{status}?to={to}&token=OURTOKEN"
     async with aiohttp.ClientSession() as session:
-        error = await deliverer(url)._post(session, outbox_row(), 7)
+        error = await deliverer(url)._post(session, outbox_row(), Held(fencing_token=7))  # type: ignore[arg-type]
     port = endpoint["base"].rsplit(":", 1)[1]
     assert error == f"HTTP {status}: " + expected.format(port=port)
     for secret in ("SECRETPATH", "SECRETQUERY", "OURTOKEN"):

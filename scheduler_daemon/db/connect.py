@@ -312,3 +312,29 @@ def _database_says_not_now(exc: BaseException) -> bool:
         | asyncpg.LockNotAvailableError  # 55P03: lock_timeout, NOWAIT
         | asyncpg.QueryCanceledError,  # 57014: statement_timeout, pg_cancel_backend
     )
+
+
+def is_database_error(exc: BaseException) -> bool:
+    """Whether ``exc`` came from the database or the way to it: anything the server or
+    the driver raised (a refused statement too), an error of the socket, a timeout. A
+    loop backs off and competes again on these; anything else is a bug, which no retry
+    fixes (loops/base.py)."""
+    import sqlite3
+
+    import asyncpg
+    from asyncpg.exceptions import _base as client
+
+    from ..errors import DatabaseBusy, DatabaseFailed, DatabaseUnavailable
+
+    return isinstance(
+        exc,
+        asyncpg.PostgresError
+        | asyncpg.InterfaceError
+        | client.InternalClientError
+        | sqlite3.Error
+        | OSError
+        | TimeoutError
+        | DatabaseUnavailable
+        | DatabaseBusy
+        | DatabaseFailed,
+    )

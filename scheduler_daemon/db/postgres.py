@@ -173,6 +173,29 @@ async def gated_transaction(
         await transaction.__aexit__(None, None, None)
 
 
+async def ask_between_statements(
+    conn: asyncpg.Connection, conn_lock: asyncio.Lock, gate: asyncio.Lock, query: str, *args: Any
+) -> Any:
+    """``query``'s value, asked on ``conn`` if nobody is talking on it: no transaction
+    holds it (``conn_lock``), or one does but is between two statements (``gate``: it
+    awaits something else, a publisher's API call, a task's sleep). ``None`` while a
+    statement runs, or when the transaction it would run in has failed: then the
+    connection is busy or answered, so not idle, and the caller asks elsewhere.
+
+    For a lock held by a connection that work may leave waiting: talking on it whenever
+    it is quiet keeps the server's idle timeouts for the frozen replica they exist for."""
+    if not conn_lock.locked():
+        async with conn_lock:  # taken at once: nothing ran since it was seen free
+            return await conn.fetchval(query, *args)
+    if gate.locked():
+        return None
+    async with gate:
+        try:
+            return await conn.fetchval(query, *args)
+        except asyncpg.InFailedSQLTransactionError:
+            return None
+
+
 def _held(gate: asyncio.Lock | None) -> contextlib.AbstractAsyncContextManager[Any]:
     return gate if gate is not None else contextlib.nullcontext()
 

@@ -93,7 +93,11 @@ class Lease(Protocol):
 
     def fresh(self) -> bool:
         """Whether the lock was proven held recently enough that this process cannot have
-        been evicted meanwhile (False after a freeze longer than the step-down bound)."""
+        been evicted meanwhile (False after a freeze longer than the step-down bound).
+
+        Ask it right before doing anything outside the database: after a freeze, timers
+        run in deadline order, so work whose sleep ended first runs before the heartbeat
+        that would notice the freeze. A stale answer ends the lease there and then."""
         ...
 
     def transaction(self, *, only_ours: bool = False) -> AbstractAsyncContextManager[Tx]:
@@ -105,9 +109,19 @@ class Lease(Protocol):
 
     async def run_tick(self, tick: Callable[[], Awaitable[T]]) -> T: ...
 
-    def spawn(self, work: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+    @property
+    def crashed(self) -> BaseException | None:
+        """What killed a service of this leadership (see :meth:`spawn`), if one died."""
+        ...
+
+    def spawn(
+        self, work: Coroutine[Any, Any, T], name: str, *, service: bool = False
+    ) -> asyncio.Task[T]:
         """Start work that belongs to this leadership: cancelled the moment it is lost,
-        and waited for (or killed) before the lock is released."""
+        and waited for (or killed) before the lock is released. ``service``: it runs as
+        long as the leadership and nobody awaits it (the webhook deliverer): its ending
+        any other way is a bug, which ends the leadership and is reported as
+        :attr:`crashed`."""
         ...
 
     def hold(self) -> AbstractAsyncContextManager[Lease]:
@@ -237,6 +251,7 @@ class LeaseState:
         self.last_proven = time.monotonic()
         self._on_lost = on_lost  # the guard's report (log line, metric), once
         self._work: set[asyncio.Task[Any]] = set()
+        self.crashed: BaseException | None = None
 
     def lose(self, reason: str, *, gone: bool) -> bool:
         """Mark leadership lost and cancel its work. ``gone``: the lock may be free already
@@ -257,15 +272,37 @@ class LeaseState:
     def fresh(self) -> bool:
         if self.lost.is_set():
             return False
-        return time.monotonic() - self.last_proven <= self.settings.lock.step_down_after
+        silent_for = time.monotonic() - self.last_proven
+        if silent_for <= self.settings.lock.step_down_after:
+            return True
+        # The heartbeat would conclude the same when its own timer runs; whoever asks
+        # first concludes it, so that nothing else of the lease runs on meanwhile.
+        self.lose(stalled(silent_for), gone=True)
+        return False
 
-    def spawn(self, work: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+    def spawn(
+        self, work: Coroutine[Any, Any, T], name: str, *, service: bool = False
+    ) -> asyncio.Task[T]:
         if self.lost.is_set():
             work.close()
             raise LeadershipLost(self.reason or "lost")
         task = asyncio.create_task(work, name=name)
         self.adopt(task)
+        if service:
+            task.add_done_callback(self._service_ended)
         return task
+
+    def _service_ended(self, task: asyncio.Task[Any]) -> None:
+        error = None if task.cancelled() else task.exception()
+        if self.lost.is_set() and (error is None or isinstance(error, LeadershipLost)):
+            return  # stopped with the leadership, as it should be
+        if error is None:
+            error = RuntimeError(f"{task.get_name()} ended while the leadership went on")
+        self.crashed = error
+        self.log.error(
+            "leader.service_died", task=task.get_name(), error=describe(error), exc_info=error
+        )
+        self.lose(f"{task.get_name()} died: {describe(error)}", gone=False)
 
     def adopt(self, task: asyncio.Task[Any]) -> None:
         """Count ``task`` as work of this lease (cancelled with it, waited for by it)."""
@@ -366,9 +403,7 @@ async def heartbeat(
         if wait > 0:
             await asyncio.sleep(wait)
             continue
-        silent_for = time.monotonic() - lease.last_proven
-        if silent_for > lease.settings.lock.step_down_after:
-            lease.lose(f"heartbeat {silent_for:.1f}s late (process stalled)", gone=True)
+        if not lease.fresh():  # a freeze: fresh() ended the lease
             return
         # Not `asyncio.timeout` around the queries: on a silently dead socket asyncpg's
         # pool cannot finish cancelling a query (releasing the connection waits for the
@@ -399,6 +434,10 @@ async def heartbeat(
         # As of when it was asked: an answer that arrives after a freeze proves nothing
         # about the freeze.
         lease.last_proven = sent
+
+
+def stalled(silent_for: float) -> str:
+    return f"heartbeat {silent_for:.1f}s late (process stalled)"
 
 
 def _since(started: float) -> float:

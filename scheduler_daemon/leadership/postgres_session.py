@@ -45,7 +45,14 @@ import asyncpg
 
 from ..aio import wait_any
 from ..config import LockSettings, Settings
-from ..db.postgres import FENCED_ISOLATION, PgTx, PostgresStore, detect_dead_peer, gated_transaction
+from ..db.postgres import (
+    FENCED_ISOLATION,
+    PgTx,
+    PostgresStore,
+    ask_between_statements,
+    detect_dead_peer,
+    gated_transaction,
+)
 from ..db.sqlfiles import queries
 from ..errors import describe
 from ..logs import Logger
@@ -359,15 +366,11 @@ class SessionGuard(GuardBase[PostgresStore]):
         the taking of a lock). Through the pool only while a statement runs on it, when
         the session is busy and no idle timeout runs."""
         try:
-            if not lease.conn_lock.locked():
-                async with lease.conn_lock:
-                    return bool(await lease.conn.fetchval(Q["lock_held"], self.key))
-            if not lease.gate.locked():
-                async with lease.gate:
-                    try:
-                        return bool(await lease.conn.fetchval(Q["lock_held"], self.key))
-                    except asyncpg.InFailedSQLTransactionError:
-                        pass  # it answered, so it is not idle; its transaction failed
+            held = await ask_between_statements(
+                lease.conn, lease.conn_lock, lease.gate, Q["lock_held"], self.key
+            )
+            if held is not None:
+                return bool(held)
         except (asyncpg.InterfaceError, asyncpg.ConnectionDoesNotExistError):
             if not lease.conn.is_closed():
                 raise

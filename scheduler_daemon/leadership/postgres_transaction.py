@@ -36,7 +36,14 @@ from typing import Any
 import asyncpg
 
 from ..db.base import Tx
-from ..db.postgres import FENCED_ISOLATION, PgTx, PostgresStore, detect_dead_peer
+from ..db.postgres import (
+    FENCED_ISOLATION,
+    PgTx,
+    PostgresStore,
+    ask_between_statements,
+    detect_dead_peer,
+    gated_transaction,
+)
 from ..db.sqlfiles import queries
 from ..errors import describe
 from .base import (
@@ -61,7 +68,7 @@ HANDOVER_QUEUE_TIMEOUT = 5.0
 # whose read holds ACCESS SHARE on the table until the transaction ends, as session mode's
 # fence_begin does (schema_gate.py). One statement, as before the version was read.
 COMPETE = (
-    "SELECT pg_try_advisory_xact_lock($1) AS won, "
+    "SELECT pg_try_advisory_xact_lock($1) AS won, pg_backend_pid() AS backend, "
     "(SELECT max(version) FROM scheduler_schema_version) AS schema_version"
 )
 
@@ -104,9 +111,10 @@ class TransactionGuard(GuardBase[PostgresStore]):
             f"SET LOCAL statement_timeout = {statement_ms}"
         )
 
-    async def compete(self, conn: asyncpg.Connection) -> int:
+    async def compete(self, conn: asyncpg.Connection) -> tuple[int, int]:
         """Take the lock for this transaction or raise :class:`NotLeader`; return the
-        fencing token, recorded with the leader row in the same transaction. On a schema
+        fencing token, recorded with the leader row in the same transaction, and the
+        server backend's pid (behind a pooler, the client cannot know it). On a schema
         newer than this build knows, :class:`SchemaNewer` instead (schema_gate.py): the
         same statement reads the version, and holds it until the transaction ends."""
         fence = await conn.fetchrow(COMPETE, self.key)
@@ -128,7 +136,7 @@ class TransactionGuard(GuardBase[PostgresStore]):
         )
         self.note_leading(True)
         await self._settle(drawn["previous"], token)
-        return token
+        return token, fence["backend"]
 
     async def _settle(self, previous: int | None, token: int) -> None:
         """A transaction that wins the lock draws the loop's next token. If the last one
@@ -153,20 +161,57 @@ class TransactionLease(LeaseState):
     def __init__(self, guard: TransactionGuard) -> None:
         super().__init__(0, guard.settings, guard.log)
         self.guard = guard
+        self._watched: TransactionHold | None = None  # the tick's, while it runs
 
     def fresh(self) -> bool:
-        return not self.lost.is_set()
+        if self.lost.is_set():
+            return False
+        return self._watched is None or self._watched.fresh()
 
     @asynccontextmanager
     async def transaction(self, *, only_ours: bool = False) -> AsyncIterator[PgTx]:
+        if not only_ours:
+            async with self._watched_transaction() as tx:
+                yield tx
+            return
+        # The loop's own statements, back to back: nothing in it awaits anything else, so
+        # nothing can leave it idle long enough for the server to end it.
         async with (
             self.guard.store.pool.acquire() as conn,
             conn.transaction(isolation=FENCED_ISOLATION),
         ):
             await self.guard.begin(conn)
             # The token of the transaction that won last: the Lease's live token.
-            self.fencing_token = await self.guard.compete(conn)
+            self.fencing_token, _ = await self.guard.compete(conn)
             yield PgTx(conn, self.fencing_token)
+
+    @asynccontextmanager
+    async def _watched_transaction(self) -> AsyncIterator[PgTx]:
+        """A tick's transaction in which other code runs (a Python publisher awaiting an
+        API), kept as a hold keeps its own: a heartbeat talks on its connection between
+        statements, so the server never finds it idle past ``stall_timeout``, and proves
+        the lock through the pool while a statement runs. If the hold is lost (its
+        connection ended, a proof failed, the process was frozen), the tick is cancelled
+        at once, as a session-mode tick is, and this raises :class:`LeadershipLost`."""
+        task = asyncio.current_task()
+        assert task is not None
+        hold = TransactionHold(self.guard, self, tick=task)
+        await hold.compete()
+        self.fencing_token = hold.fencing_token
+        self._watched = hold
+        try:
+            async with hold, hold.statements() as tx:
+                yield tx
+        except asyncio.CancelledError:
+            if hold.cancelled_tick and task.uncancel() == 0:
+                raise LeadershipLost(hold.reason or "lost") from None
+            raise
+        finally:
+            self._watched = None
+        if hold.lost.is_set():  # the body swallowed the cancellation: still lost
+            if hold.cancelled_tick:
+                task.uncancel()
+            raise LeadershipLost(hold.reason or "lost")
 
     @asynccontextmanager
     async def hold(self) -> AsyncIterator[Lease]:
@@ -191,11 +236,24 @@ class TransactionHold(LeaseState):
     lock marks its runs abandoned).
     """
 
-    def __init__(self, guard: TransactionGuard, parent: LeaseState) -> None:
+    def __init__(
+        self,
+        guard: TransactionGuard,
+        parent: LeaseState,
+        tick: asyncio.Task[Any] | None = None,
+    ) -> None:
         super().__init__(0, guard.settings, guard.log, self._report_lost)
         self.guard = guard
         self.parent = parent
+        # One user of the connection at a time (a savepoint's work, or a proof); within
+        # it, one statement at a time (the gate), so that a proof can talk between two
+        # statements of work that awaits something else in between.
         self.conn_lock = asyncio.Lock()
+        self.gate = asyncio.Lock()
+        # A tick that runs in this hold's transaction itself (_watched_transaction):
+        # cancelled the moment the hold is lost.
+        self._tick = tick
+        self.cancelled_tick = False
         self._conn: Any = None  # a pool connection (proxy), acquired for the hold's life
         self._transaction: Any = None
         self._backend = 0  # its server backend's pid, for the heartbeat's proof
@@ -211,7 +269,6 @@ class TransactionHold(LeaseState):
             self._transaction = self._conn.transaction(isolation=FENCED_ISOLATION)
             await self._transaction.start()
             await self.guard.begin(self._conn)
-            self._backend = await self._conn.fetchval("SELECT pg_backend_pid()")
         except BaseException:
             await self._close(commit=False)
             raise
@@ -220,7 +277,7 @@ class TransactionHold(LeaseState):
     async def compete(self) -> None:
         conn = await self._open()
         try:
-            self.fencing_token = await self.guard.compete(conn)
+            self.fencing_token, self._backend = await self.guard.compete(conn)
         except BaseException:
             await self._close(commit=False)
             raise
@@ -230,6 +287,7 @@ class TransactionHold(LeaseState):
         waiting: from then on, ``tx`` ending hands the lock straight to us."""
         conn = await self._open()
         try:
+            self._backend = await conn.fetchval("SELECT pg_backend_pid()")
             stall_ms = int(self.settings.lock.stall_timeout * 1000)
             await conn.execute(f"SET LOCAL lock_timeout = {stall_ms}")
             self._granted = asyncio.ensure_future(
@@ -326,33 +384,47 @@ class TransactionHold(LeaseState):
 
     def _report_lost(self, reason: str, gone: bool) -> None:
         self.guard.log.warning("hold.lost", reason=reason, lock_may_be_free=gone)
+        tick = self._tick
+        if tick is not None and tick is not asyncio.current_task() and not tick.done():
+            tick.cancel()
+            self.cancelled_tick = True
 
     async def _prove(self) -> bool:
-        """Through the pool, like the session heartbeat: the lock manager still shows our
-        backend holding the key, even while a long statement keeps the hold's connection
-        busy. Then, if it is free, a ping on the hold's own connection, which also keeps
-        the held transaction from ever sitting idle past the server's timeout."""
-        pool = self.guard.store.pool
-        if not await pool.fetchval(Q["lock_entry"], self.guard.key, self._backend):
-            return False
-        if not self.conn_lock.locked():
-            async with self.conn_lock:
-                await self._conn.fetchval("SELECT 1")
-        return True
+        """One heartbeat: the lock manager shows our backend holding the key.
+
+        Asked on the hold's own connection whenever nothing else is talking on it,
+        between two statements of its work too: that keeps the held transaction from
+        ever sitting idle past the server's ``idle_in_transaction_session_timeout``,
+        which must end only a frozen replica's transaction. Through the pool while a
+        statement runs on it (busy, so not idle)."""
+        key, backend = self.guard.key, self._backend
+        held = await ask_between_statements(
+            self._conn, self.conn_lock, self.gate, Q["lock_entry"], key, backend
+        )
+        if held is None:
+            held = await self.guard.store.pool.fetchval(Q["lock_entry"], key, backend)
+        return held is True
 
     @asynccontextmanager
-    async def transaction(self, *, only_ours: bool = False) -> AsyncIterator[PgTx]:
+    async def statements(self) -> AsyncIterator[PgTx]:
+        """The held transaction itself, for one user at a time."""
         async with self.conn_lock:
             if self.lost.is_set():
                 raise LeadershipLost(self.reason or "lost")
             try:
-                async with self._conn.transaction():  # a savepoint in the held transaction
-                    yield PgTx(self._conn, self.fencing_token)
+                yield PgTx(self._conn, self.fencing_token, self.gate)
             finally:
                 if self._usable() and not self._conn.is_in_transaction():
                     # SQL in it ran COMMIT or ROLLBACK: the held transaction, and the lock
                     # with it, are gone; everything still running must stop now.
                     self.lose("SQL ended the hold's transaction", gone=True)
+
+    @asynccontextmanager
+    async def transaction(self, *, only_ours: bool = False) -> AsyncIterator[PgTx]:
+        """A savepoint in the held transaction: what one piece of the hold's work wrote
+        and its result commit together with the hold, or roll back alone."""
+        async with self.statements() as tx, gated_transaction(self._conn, self.gate):
+            yield tx
 
     async def _close(self, commit: bool) -> None:
         if not self._usable():

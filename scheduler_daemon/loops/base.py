@@ -4,7 +4,8 @@ A tick never starts while the previous one of the same loop still runs (PostgreS
 advisory locks are re-entrant within a session, so overlapping ticks of one process would
 both "hold" the lock). The sleep between ticks ends early on stop, on ``wake()``, or when
 leadership is lost. Database trouble never ends the loop: the runner steps down, backs
-off and competes again. A schema newer than this build knows does end the competing: the
+off and competes again. Anything else that escapes the guard or the work's hand-over is a
+bug: the loop ends, and with it the daemon (exit 70). A schema newer than this build knows does end the competing: the
 runner hands over what it leads and waits for the stop, leading nothing (schema_gate.py).
 """
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..aio import wait_any
-from ..db.connect import Backoff
+from ..db.connect import Backoff, is_database_error
 from ..errors import describe
 from ..leadership import Guard, LeadershipLost, Lease, NotLeader, Stopping
 from ..logs import Logger
@@ -33,6 +34,10 @@ class Tick:
     number: int
     log: Logger
     lease: Lease  # do database work in `async with tick.lease.transaction() as tx`
+
+
+class ServiceCrashed(Exception):
+    """Work the leadership runs for its whole length (the webhook deliverer) died."""
 
 
 # The longest a leader sleeps when a notification will wake it for anything due sooner:
@@ -110,6 +115,8 @@ class LoopRunner:
                     finally:
                         graceful = not cancelled and self.stop.is_set() and not lease.lost.is_set()
                         await self.work.leadership_ended(graceful)
+                if lease.crashed is not None:  # logged where it died; a bug, as below
+                    raise ServiceCrashed(lease.reason or "a service died") from lease.crashed
                 if self.schema.outdated and not lease.lost.is_set():
                     # Handed over like a stop (released on its own connection), only
                     # sooner: the runs it started are stopped, not awaited. Their results
@@ -126,7 +133,14 @@ class LoopRunner:
                 break
             except LeadershipLost as lost:
                 self.log.warning("leader.stepped_down", reason=lost.reason)
-            except Exception as exc:  # the database is unreachable, restarting, …
+            except Exception as exc:
+                if isinstance(exc, ServiceCrashed) or not is_database_error(exc):
+                    # A bug, in the guard or in the work's hand-over: retrying would only
+                    # hide it. The loop dies, the daemon exits 70 (its locks go with the
+                    # process) and the supervisor starts it afresh.
+                    self.log.exception("loop.crashed", error=describe(exc))
+                    raise
+                # The database is unreachable, restarting, refusing: compete again later.
                 self.log.warning("loop.db_error", error=describe(exc))
             # Back to standby after a pause, so a flapping database is not hammered. Only a
             # stop cuts it short: a wake-up (a plugin run that ended with the lease) is for a

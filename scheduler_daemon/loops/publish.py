@@ -31,7 +31,7 @@ from ..config import Settings
 from ..db.base import Store, Tx
 from ..db.connect import is_transient_database_error
 from ..errors import describe
-from ..leadership import Lease
+from ..leadership import LeadershipLost, Lease
 from ..logs import Logger
 from ..metrics import Metrics
 from ..publishers import Published, Publisher
@@ -62,6 +62,10 @@ def unreadable(exc: BaseException) -> bool:
     return isinstance(exc, sqlite3.OperationalError) and "decode" in str(exc)
 
 
+class PublisherTimedOut(Exception):
+    """A publisher call outlasted ``publish.publisher_timeout`` and was cancelled."""
+
+
 class PublishWork:
     name = "publish"
 
@@ -85,7 +89,8 @@ class PublishWork:
         self._deliverer: WebhookDeliverer | None = None
         self._delivering: asyncio.Task[None] | None = None
         self._watching: asyncio.Task[None] | None = None  # SQLite: the commit watcher
-        # time.time() of the next planned tick; -inf while a tick runs.
+        # time.time() of the next planned tick; -inf while a tick runs, nan after one
+        # failed (the runner retries after its interval, whatever is notified).
         self._planned_wake = float("inf")
         self._db_clock_offset = 0.0  # database clock minus ours, measured each tick
         # Publication id -> transient rollbacks in a row of the batch that held it (only
@@ -97,6 +102,15 @@ class PublishWork:
         # after this tick's last look would otherwise be judged against the previous
         # tick's plan (in the past while draining a backlog) and wait a whole sleep.
         self._planned_wake = float("-inf")
+        try:
+            return await self._tick(tick)
+        except BaseException:
+            # The runner retries a failed tick after a whole interval: what failed would
+            # fail again at once, and a notification is no reason to try sooner.
+            self._planned_wake = float("nan")
+            raise
+
+    async def _tick(self, tick: Tick) -> float | None:
         if self._lease is not tick.lease:
             await self._start_leading(tick.lease)
         elif self.listener is not None:
@@ -115,7 +129,7 @@ class PublishWork:
                                               self.settings.instance_id)  # fmt: skip
                         taken = len(rows)
                     batch = [Published(**row) for row in rows]
-                    failed = await self._run_publishers(tx, batch, tick.log) if batch else {}
+                    failed = await self._run_publishers(tx, batch, tick) if batch else {}
                     if taken < self.settings.publish.batch_size:
                         upcoming = (await tx.fetch("next_due_in"))[0]
             except Exception as exc:
@@ -151,12 +165,13 @@ class PublishWork:
             return LISTENING_MAX_SLEEP
         return self.settings.publish.interval
 
-    async def _run_publishers(self, tx: Tx, batch: list[Published], log: Logger) -> dict[int, str]:
+    async def _run_publishers(self, tx: Tx, batch: list[Published], tick: Tick) -> dict[int, str]:
         """Run every publisher on the batch. Returns {publication id: error} for the rows
         marked failed.
 
         Whatever a publisher raises (``OSError`` and ``TimeoutError`` included) is a
-        publisher failure: the batch is run again row by row, each row in a savepoint, and
+        publisher failure, and so is a call that outlasts ``publish.publisher_timeout``
+        (cancelled then): the batch is run again row by row, each row in a savepoint, and
         only the rows that fail again are marked failed. Only an error from the database
         that says "not now" (see :func:`is_transient_database_error`) rolls the whole batch
         back, to be retried by the next tick; once the same rows were rolled back
@@ -165,6 +180,7 @@ class PublishWork:
         """
         if not self.publishers:
             return {}
+        log = tick.log
         attempts = self._transient_attempts(batch) if self._transient_strikes else 0
         isolated = attempts >= TRANSIENT_BATCH_ATTEMPTS
         if isolated:
@@ -172,8 +188,9 @@ class PublishWork:
         else:
             try:
                 async with tx.savepoint():
-                    for publisher in self.publishers:
-                        await publisher.publish(tx, batch)
+                    await self._publish(tx, batch, tick.lease)
+            except LeadershipLost:
+                raise
             except Exception as exc:
                 if is_transient_database_error(exc):
                     self._strike(batch, exc, log)
@@ -187,8 +204,9 @@ class PublishWork:
         for row in batch:
             try:
                 async with tx.savepoint():
-                    for publisher in self.publishers:
-                        await publisher.publish(tx, [row])
+                    await self._publish(tx, [row], tick.lease)
+            except LeadershipLost:
+                raise
             except Exception as exc:
                 if not isolated and is_transient_database_error(exc):
                     self._strike(batch, exc, log)
@@ -200,6 +218,26 @@ class PublishWork:
                 log.error("publish.row_failed", publication_id=row.id, key=row.key, error=error)
         self._transient_strikes.clear()
         return failed
+
+    async def _publish(self, tx: Tx, rows: list[Published], lease: Lease) -> None:
+        """Every publisher, once, on ``rows``: each only while the lease is fresh, and
+        for at most ``publisher_timeout``."""
+        timeout = self.settings.publish.publisher_timeout
+        for publisher in self.publishers:
+            # Right before work that may leave the database: a leader resumed after a
+            # freeze learns here, not after the call, that it may have been replaced.
+            if not lease.fresh():
+                raise LeadershipLost(lease.reason or "lost")
+            try:
+                async with asyncio.timeout(timeout) as deadline:
+                    await publisher.publish(tx, rows)
+            except TimeoutError:
+                if not deadline.expired():
+                    raise  # the publisher's own: a failure like any other
+                raise PublisherTimedOut(
+                    f"publisher {publisher.name!r} timed out after {timeout:g}s "
+                    "(publish.publisher_timeout)"
+                ) from None
 
     async def _take_one_by_one(self, tx: Tx, log: Logger) -> tuple[list[dict[str, Any]], int]:
         """``publish_due``, one row at a time, each in a savepoint: a row that cannot be
@@ -254,13 +292,17 @@ class PublishWork:
             # Work of the leadership: cancelled the moment it is lost, and stopped before
             # the lock is released, so that no POST of ours overlaps the next leader's.
             self._deliverer = WebhookDeliverer(settings.webhook, self.metrics, self.log)
-            self._delivering = lease.spawn(self._deliverer.run(lease), name="publish:webhooks")
+            self._delivering = lease.spawn(
+                self._deliverer.run(lease), name="publish:webhooks", service=True
+            )
         if self.listener is not None:
             await self.listener.subscribe(WAKE_CHANNEL, self._on_notification)
         from ..db.sqlite import SqliteStore
 
         if isinstance(self.store, SqliteStore):
-            self._watching = lease.spawn(self._watch_commits(self.store), name="publish:watch")
+            self._watching = lease.spawn(
+                self._watch_commits(self.store), name="publish:watch", service=True
+            )
 
     async def _watch_commits(self, store: SqliteStore) -> None:
         """Wake the leader when another process scheduled a row due before the planned
@@ -296,7 +338,8 @@ class PublishWork:
 
     def _due_at(self, due: float) -> None:
         """Something is due at ``due`` (time.time()): tick then if that is sooner than
-        planned, or right after the tick that is running now."""
+        planned, or right after the tick that is running now (never sooner than planned
+        after a failed tick: ``nan``, which nothing is less than)."""
         if self._planned_wake == float("-inf"):
             self.wake()
         elif due < self._planned_wake:
@@ -307,7 +350,6 @@ class PublishWork:
         self._lease = None
         if self._delivering is not None:
             self._delivering.cancel()  # a stop: the guard waits for it to end
-            self._delivering.add_done_callback(self._deliverer_ended)
             self._delivering = None
             self._deliverer = None
         if self.listener is not None:
@@ -315,7 +357,3 @@ class PublishWork:
         if self._watching is not None:
             self._watching.cancel()  # work of the lease: the guard waits for it to end
             self._watching = None
-
-    def _deliverer_ended(self, task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and (error := task.exception()) is not None:
-            self.log.warning("webhook.deliverer_died", error=describe(error))

@@ -33,8 +33,10 @@ class TaskContext:
       leadership, or the daemon is stopping. Async targets are cancelled outright; a sync
       target runs in a worker process, whose ``cancelled`` is set on SIGTERM, and is
       killed if it has not returned within ``lock.stop_grace`` of that;
-    - ``leading``: this replica still leads, as far as it knows (the fencing token is the
-      proof that does not depend on knowing in time).
+    - ``leading``: this replica still leads, as far as it can know: the lock was proven
+      held recently enough that nobody can have taken it over meanwhile (after a freeze
+      it is False at once, before the heartbeat runs). Check it right before each
+      external write; the fencing token is the proof that does not depend on timing.
     """
 
     name: str
@@ -50,7 +52,7 @@ class TaskContext:
     def leading(self) -> bool:
         if self.cancelled.is_set():
             return False
-        return self.lease is None or not self.lease.lost.is_set()
+        return self.lease is None or self.lease.fresh()
 
     def transaction(self) -> AbstractAsyncContextManager[Tx]:
         if self.lease is None:

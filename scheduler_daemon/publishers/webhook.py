@@ -235,10 +235,7 @@ class WebhookDeliverer:
     ) -> None:
         # Each POST is work of the hold: losing it cancels them, and the hold is let go
         # only once they have stopped.
-        posts = [
-            held.spawn(self._post(session, row, held.fencing_token), name="webhook:post")
-            for row in rows
-        ]
+        posts = [held.spawn(self._post(session, row, held), name="webhook:post") for row in rows]
         await unless_set(asyncio.wait(posts), held.lost)
         if held.lost.is_set():
             raise LeadershipLost(held.reason or "lost")
@@ -247,7 +244,7 @@ class WebhookDeliverer:
                 await self._record(tx, row, post.result())
 
     async def _post(
-        self, session: aiohttp.ClientSession, row: dict[str, Any], fencing_token: int
+        self, session: aiohttp.ClientSession, row: dict[str, Any], held: Lease
     ) -> str | None:
         published = Published(
             row["id"], row["key"], row["payload"], row["publish_at"], row["published_at"]
@@ -261,11 +258,16 @@ class WebhookDeliverer:
             "X-Scheduler-Attempt": str(row["attempts"] + 1),
             # Grows with every change of publish leader: a receiver that remembers the
             # largest it has seen can refuse a replaced leader's late request.
-            "X-Scheduler-Fencing-Token": str(fencing_token),
+            "X-Scheduler-Fencing-Token": str(held.fencing_token),
             # webhook-id is the publication id: the same message on every attempt, as the
             # spec asks, so a receiver's deduplication on it works across retries.
             **signature_headers(self.key, str(published.id), body, int(time.time())),
         }
+        # Last thing before the request leaves: after a freeze, the tasks whose timers
+        # fell due run in deadline order, and this one may run before the heartbeat that
+        # would notice; the age of the last proof tells at once (and ends the lease).
+        if not held.fresh():
+            raise LeadershipLost(held.reason or "lost")
         try:
             # Never follow a redirect: a 301/302 would become a GET without the body, and
             # its 2xx would be recorded as delivered.

@@ -30,6 +30,7 @@ from rig.ticks import assert_enough
 
 EFFECTS_TARGETS = {
     "async": "scheduler_sample_plugin.effects:probe_async",
+    "async_checked": "scheduler_sample_plugin.effects:probe_async_checked",
     "async_stubborn": "scheduler_sample_plugin.effects:probe_async_stubborn",
     "sync": "scheduler_sample_plugin.effects:probe_sync",
     "sync_stubborn": "scheduler_sample_plugin.effects:probe_sync_stubborn",

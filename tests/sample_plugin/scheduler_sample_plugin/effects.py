@@ -62,13 +62,18 @@ def _recorder(ctx: Any, kind: str) -> Recorder:
                     slot=ctx.slot.isoformat())  # fmt: skip
 
 
-async def _work(record: Recorder, seconds: float) -> None:
-    """Beat for `seconds` on the event loop; a cancellation ends the run, recorded."""
+async def _work(record: Recorder, seconds: float, ctx: Any = None) -> None:
+    """Beat for `seconds` on the event loop; a cancellation ends the run, recorded. Given
+    `ctx`, check ``ctx.leading`` right before each beat, as a careful target checks it
+    before each external write, and stop (recorded) once it is false."""
     record.write("start")
     deadline = time.monotonic() + seconds
     try:
         while time.monotonic() < deadline:
             await asyncio.sleep(BEAT)
+            if ctx is not None and not ctx.leading:
+                record.write("stood_down")
+                return
             record.write("beat")
     except asyncio.CancelledError:
         record.write("cancelled")
@@ -79,6 +84,11 @@ async def _work(record: Recorder, seconds: float) -> None:
 async def probe_async(ctx: Any) -> None:
     """An async target that works for $EFFECTS_SECONDS."""
     await _work(_recorder(ctx, "async"), _seconds("EFFECTS_SECONDS", 0.3))
+
+
+async def probe_async_checked(ctx: Any) -> None:
+    """probe_async, checking ``ctx.leading`` before each beat."""
+    await _work(_recorder(ctx, "async_checked"), _seconds("EFFECTS_SECONDS", 0.3), ctx)
 
 
 async def probe_async_stubborn(ctx: Any) -> None:

@@ -6,11 +6,13 @@ commits together with the state flip. It appends to a table the application crea
 
 For the tests, a payload can make it fail: ``{"poison": true}`` raises ``ValueError``;
 ``{"raise": "OSError"}`` or ``{"raise": "TimeoutError"}`` raise those, the way a client
-library's network call does (a publisher's own error, not the database's).
+library's network call does (a publisher's own error, not the database's);
+``{"hang": true}`` waits for ever, as a call to an endpoint that never answers does.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +36,8 @@ class SamplePublisher:
             wanted = row.payload.get("raise") if isinstance(row.payload, dict) else None
             if wanted in RAISABLE:
                 raise RAISABLE[wanted](f"the sample publisher's endpoint failed for {row.id}")
+            if isinstance(row.payload, dict) and row.payload.get("hang"):
+                await asyncio.Event().wait()
         await tx.run_many(
             f"INSERT INTO {AUDIT_TABLE} (publication_id, instance) VALUES ($1, $2)",
             [(row.id, self.instance) for row in rows],
