@@ -501,6 +501,33 @@ class LogSettings(Section):
         return value.lower() if isinstance(value, str) else value
 
 
+def transaction_pool_users(settings: Settings) -> dict[str, int]:
+    """What can hold a pooled connection at the same time in lock mode ``transaction``,
+    as the daemon runs with ``settings``; the pool's floor is the sum.
+
+    Each transaction that keeps a loop's lock while something else runs (a hold) proves it
+    with a heartbeat, through the pool while a statement runs on the hold's own connection:
+    one more connection per hold. A loop has at most one hold of its own holding the lock
+    (its ticks' try-locks fail meanwhile), but a hold may still be ending while a tick that
+    won after it hands the next batch to another. The HTTP endpoints share one database
+    check (``/readyz``, ``/metrics``) and one status report in flight (http.py).
+    """
+    users: dict[str, int] = {}
+    if settings.publish.enabled:
+        # Its transactions run publishers that may await an API: heartbeated like a hold.
+        users["publish tick and its proof"] = 2
+        if "webhook" in settings.publish.publishers:
+            users["webhook round's hold and its proof"] = 2
+    if settings.plugin.enabled:
+        users["plugin tick"] = 1
+        users["plugin batch's hold and its proof"] = 2
+        users["hold a plugin tick hands the next batch to"] = 1
+    if settings.http.enabled:
+        users["/readyz and /metrics check"] = 1
+        users["/status report"] = 1
+    return users or {"one-shot command": 1}
+
+
 def default_instance_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -545,14 +572,28 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _pool_fits_transaction_mode(self) -> Settings:
-        # Transaction mode works on pooled connections only: at once a tick, the hold it
-        # hands the lock to, that hold's heartbeat through the pool, and the other loop.
-        if self.lock.mode == "transaction" and self.database.pool_max_size < 4:
-            raise ValueError(
-                f"database.pool_max_size: lock.mode 'transaction' needs at least 4 pooled "
-                f"connections (got {self.database.pool_max_size})"
-            )
-        return self
+        # Transaction mode works on pooled connections only, and a heartbeat's proof that
+        # waited for a free one counts as failed (leadership/base.py): the hold steps down
+        # and its work is cancelled on a healthy leader. So the pool fits everything that
+        # can hold a connection at once, and no proof ever waits for one.
+        if self.lock.mode != "transaction":
+            return self
+        users = transaction_pool_users(self)
+        floor = sum(users.values())
+        if self.database.pool_max_size >= floor:
+            return self
+        if "pool_max_size" not in self.database.model_fields_set:
+            # The default (5) is session mode's; this mode's is what it needs. The model
+            # is frozen, but this validator still builds it.
+            database = self.database.model_copy(update={"pool_max_size": floor})
+            object.__setattr__(self, "database", database)
+            return self
+        needs = ", ".join(f"{what} {count}" for what, count in users.items())
+        raise ValueError(
+            f"database.pool_max_size: lock.mode 'transaction' needs at least {floor} pooled "
+            f"connections, one for each that can be in use at once ({needs}); got "
+            f"{self.database.pool_max_size}"
+        )
 
     def redacted(self) -> dict[str, Any]:
         """The effective config as plain data, safe to print or serve."""

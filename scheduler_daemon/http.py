@@ -25,6 +25,10 @@ loops run. Until then the server is *starting*: it reports the startup phase
   database URL, host names, pids or client addresses; see :func:`status.summarize`), plus
   this replica's own instance id and roles. With ``http.status_detail`` the full report
   that ``scheduler-daemon status --json`` prints, plus the same.
+
+Concurrent requests share one database check (``/readyz`` and ``/metrics``) and one status
+report (``/status``) in flight: however many arrive, the endpoints hold at most two pooled
+connections, which the pool's size counts on (config.transaction_pool_users).
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ class HttpServer:
         self._phase = "starting"
         self._runner: web.AppRunner | None = None
         self._probe_task: asyncio.Task[Readiness] | None = None
+        self._status_task: asyncio.Task[dict[str, Any] | str] | None = None
 
     @property
     def store(self) -> Store:
@@ -167,13 +172,13 @@ class HttpServer:
         try:
             await runner.cleanup()
         finally:
-            # After cleanup no handler awaits the shared probe any more.
-            probe = self._probe_task
-            if probe is not None and not probe.done():
-                probe.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await probe
-            self._probe_task = None
+            # After cleanup no handler awaits the shared probe or report any more.
+            for task in (self._probe_task, self._status_task):
+                if task is not None and not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+            self._probe_task = self._status_task = None
             self.log.info("http.stopped")
 
     async def __aenter__(self) -> Self:
@@ -266,19 +271,32 @@ class HttpServer:
         store = self._store
         if store is None:
             return _error(503, self._phase_reason())
-        try:
-            async with asyncio.timeout(STATUS_TIMEOUT):
-                report = await collect_status(store, self.settings)
-        except TimeoutError:
-            return _error(503, f"database did not answer within {STATUS_TIMEOUT:g}s")
-        except Exception as exc:
-            return _error(503, self._database_failed(exc))
+        # One report in flight, shared by the requests that arrive meanwhile, as the probe
+        # is: a burst of requests takes one pooled connection, not one each.
+        task = self._status_task
+        if task is None or task.done():
+            task = asyncio.create_task(self._collect_status(store), name="http:status")
+            self._status_task = task
+        report = await asyncio.shield(task)
+        if isinstance(report, str):
+            return _error(503, report)
+        report = dict(report)  # shared with the other requests: add to a copy
         if not self.settings.http.status_detail:
             # Anyone who can reach the port reads this: no database URL, host names, pids
             # or client addresses unless the operator opted in (docs/operations.md).
             report = summarize(report)
         report["replica"] = replica_status(self.settings, self.metrics, self.schema)
         return web.json_response(report, dumps=json.dumps)
+
+    async def _collect_status(self, store: Store) -> dict[str, Any] | str:
+        """The status report, or why there is none."""
+        try:
+            async with asyncio.timeout(STATUS_TIMEOUT):
+                return await collect_status(store, self.settings)
+        except TimeoutError:
+            return f"database did not answer within {STATUS_TIMEOUT:g}s"
+        except Exception as exc:
+            return self._database_failed(exc)
 
     def _database_failed(self, exc: Exception) -> str:
         """The reason a probe gives. A driver's message names users, hosts and addresses,
