@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, Self
 
@@ -180,21 +180,36 @@ class ChaosDatabase:
 
     # -- faults ----------------------------------------------------------------------
 
-    def restart(self, mode: Literal["fast", "immediate"]) -> None:
-        self.primary.restart(mode)
+    def stop_primary(self, mode: Literal["fast", "immediate"]) -> None:
+        """The first half of a restart: ``-m fast`` ends the sessions, ``-m immediate``
+        crashes the server (recovery on the next start)."""
+        self.primary.stop(mode)
 
-    def failover(self, *, synchronous: bool, lag_seconds: float = 1.0) -> dict[str, Any]:
+    def start_primary(self) -> None:
+        """The second half: start it again, on the same port, and wait until it answers."""
+        self.primary.start()
+
+    def failover(
+        self,
+        *,
+        synchronous: bool,
+        lag_seconds: float = 1.0,
+        before_promote: Callable[[], None] | None = None,
+    ) -> dict[str, Any]:
         """Stop the primary -m immediate and promote the standby; a new standby is built
         from the new primary afterwards. Asynchronous: the standby is held back for
-        `lag_seconds` first, so commits are acknowledged that it never receives."""
+        `lag_seconds` first, so commits are acknowledged that it never receives.
+        `before_promote` runs once the old primary is dead and the standby has all it
+        will ever get from it, before the promotion: no primary at all meanwhile."""
         assert self.pair is not None, "failover needs the standby (with_standby=True)"
         pair = self.pair
         if not synchronous:
             pair.set_synchronous(False)
             pair.pause_replication()
             time.sleep(lag_seconds)
+        hook = None if before_promote is None else lambda _standby: before_promote()
         try:
-            result = pair.failover()
+            result = pair.failover(before_promote=hook)
         finally:
             with contextlib.suppress(Exception):
                 pair.resume_replication()
@@ -214,9 +229,9 @@ class ChaosDatabase:
 
     # -- observation -----------------------------------------------------------------
 
-    def leader_of(self, loop: str) -> str | None:
-        """The instance holding `loop`'s lock now, as the server sees it (None: nobody, or
-        the server is not answering)."""
+    def lock_holder(self, loop: str) -> tuple[bool, str | None]:
+        """(whether the server answered, the instance holding `loop`'s lock now as it sees
+        it: None for nobody)."""
         try:
             rows = fetch(
                 self.admin_dsn,
@@ -227,8 +242,8 @@ class ChaosDatabase:
                 timeout=2,
             )
         except Exception:
-            return None
-        return str(rows[0]["instance"]) if rows else None
+            return False, None
+        return True, str(rows[0]["instance"]) if rows else None
 
     def advisory_locks(self) -> list[dict[str, Any]]:
         """Advisory locks held on the run's database by anyone at all."""

@@ -3,6 +3,12 @@ on offer), N replicas as real ``scheduler-daemon run`` processes, each in its ow
 namespace when this machine allows it, the workload, the nemesis, and at the end the
 history (``history.jsonl``), the checker's verdict and the report, all in one directory.
 
+The nemesis runs the plan's episodes one after another: a fault alone, or two that overlap,
+the outer one in a thread of its own (see ``chaos.nemesis``). Who is hit by what, and each
+process's state (frozen, and until when), is kept under one lock, so that two faults on one
+replica compose or go elsewhere as the nemesis's rules say, and each is recorded with the
+window it really had.
+
 Every replica process is an *incarnation* with its own instance id (``r2.3``: replica 2,
 third start), so a restarted replica is never mistaken for its previous self by the
 checker. A replica started with its clock skewed (libfaketime) writes skewed wall-clock
@@ -19,7 +25,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,7 +38,20 @@ from rig.ticks import FAST_TIMINGS, instance_of
 
 from chaos.environment import ChaosDatabase, ChaosNetwork, faketime_env
 from chaos.history import History
-from chaos.nemesis import ALL_KINDS, REPLICA_FAULTS, FaultKind, Intent, plan
+from chaos.nemesis import (
+    ALL_KINDS,
+    ENDS_PROCESS,
+    OVERLAP,
+    PROCESS_FAULTS,
+    REPLICA_FAULTS,
+    FaultKind,
+    Intent,
+    ReplicaState,
+    choose_replica,
+    episodes,
+    plan,
+    planned_pairs,
+)
 from chaos.workload import KEY_PREFIX, TASK_PERIODS, WORKLOAD_DDL, Feeder, FeedLog, replica_env
 
 # Leadership log events, and what they mean for the timeline.
@@ -42,6 +61,10 @@ LEADER_EVENTS = {
     "leader.lost": "lost",
     "leader.stepped_down": "lost",
 }
+
+# The longest the nemesis waits for a fault to be inflicted (a failover's primary stopped
+# comes after the standby is in sync and, asynchronous, after the held-back second).
+INFLICT_TIMEOUT = 120.0
 
 # After the last fault: long enough for a cut-off leader's lock to be freed and every
 # publication due by the end to be published (the checker's grace is shorter than this).
@@ -56,6 +79,8 @@ class ChaosConfig:
     directory: Path
     kinds: tuple[FaultKind, ...] = ALL_KINDS
     guaranteed: tuple[FaultKind, ...] = ()
+    guaranteed_pairs: tuple[tuple[FaultKind, FaultKind], ...] = ()
+    overlap: float = OVERLAP  # how likely an episode is two overlapping faults
     mean_gap: float = 3.0
     lateness_bound: float = 2.0  # seconds, outside fault windows
     recovery_allowance: float = 6.0  # seconds after a fault that still count as its window
@@ -68,6 +93,11 @@ class Incarnation:
     skew_seconds: float
     started: float
     ended: float | None = None
+    # A SIGSTOP holding it (the fault's id); when and by what the freeze ended, if another
+    # fault ended it first (a kill, a SIGTERM's SIGCONT): the SIGSTOP's fault ends there.
+    frozen_by: int | None = None
+    thawed: float | None = None
+    thawed_by: str | None = None
 
 
 @dataclass
@@ -92,9 +122,16 @@ class ChaosRun:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.effects_log = self.directory / "effects.jsonl"
         self.records: list[dict[str, Any]] = []
+        self.skipped: list[dict[str, Any]] = []  # intents that found nothing they could hit
         self.stopping: float | None = None
         self._stack = contextlib.ExitStack()
         self._records_lock = threading.Lock()
+        # Faults run two at a time: who is hit by what, and each incarnation's state, are
+        # changed under `_lock`; the rig's links under `_net_lock`.
+        self._lock = threading.Lock()
+        self._net_lock = threading.Lock()
+        self._active: dict[str, dict[int, FaultKind]] = {}
+        self._leaders: dict[str, str | None] = {}  # each loop's leader when last seen
         self.replicas = [Replica(f"r{n + 1}", n) for n in range(config.replicas)]
         failover = {"failover_sync", "failover_async"} & set(config.kinds)
         self.network = ChaosNetwork.create(self.directory, config.replicas)
@@ -105,7 +142,9 @@ class ChaosRun:
             config.duration,
             self._available(config.kinds),
             mean_gap=config.mean_gap,
+            overlap=config.overlap,
             guaranteed=config.guaranteed,
+            guaranteed_pairs=config.guaranteed_pairs,
         )
 
     def _available(self, kinds: Sequence[FaultKind]) -> list[FaultKind]:
@@ -161,19 +200,37 @@ class ChaosRun:
         argv = self.network.argv(replica.index, [*CLI, "run"])
         process = self.daemons.spawn(argv, daemon_env(env), name=instance)
         incarnation = Incarnation(instance, process, skew_seconds, time.time())
-        replica.incarnations.append(incarnation)
+        with self._lock:
+            replica.incarnations.append(incarnation)
         return incarnation
 
-    def _end(self, replica: Replica, sig: int | None, wait: float = 20.0) -> None:
-        """Send `sig` (None: it was sent already) and wait for the exit; SIGKILL if it
-        does not come within `wait`. A second SIGTERM would force the exit (130), so
-        it is sent once."""
+    def _end(
+        self,
+        replica: Replica,
+        sig: int | None,
+        wait: float = 20.0,
+        sent: Callable[[], None] | None = None,
+        why: str | None = None,
+    ) -> None:
+        """Send `sig` (None: it was sent already), call `sent`, and wait for the exit;
+        SIGKILL if it does not come within `wait`. A second SIGTERM would force the exit
+        (130), so it is sent once. A frozen process is continued first for any signal
+        but SIGKILL (which a stopped process dies of as it is); either way its freeze
+        ends here, and the SIGSTOP fault holding it learns when, and by what (`why`)."""
         current = replica.current
         if current is None:
+            if sent is not None:
+                sent()
             return
         if sig is not None:
-            current.process.signal(signal.SIGCONT)
-            current.process.signal(sig)
+            with self._lock:
+                if sig != signal.SIGKILL:
+                    current.process.signal(signal.SIGCONT)
+                current.process.signal(sig)
+                if current.frozen_by is not None and current.thawed is None:
+                    current.thawed, current.thawed_by = time.time(), why
+        if sent is not None:
+            sent()
         try:
             current.process.popen.wait(wait)
         except subprocess.TimeoutExpired:
@@ -191,9 +248,12 @@ class ChaosRun:
         return time.time()
 
     def _heal_all(self) -> None:
+        """After the nemesis (every fault healed by its own thread already): whatever is
+        left, in case a fault's healing failed."""
         for replica in self.replicas:
-            self.network.heal(replica.index)
-            self.network.clear(replica.index)
+            with self._net_lock:
+                self.network.heal(replica.index)
+                self.network.clear(replica.index)
             current = replica.current
             if current is not None:
                 current.process.signal(signal.SIGCONT)
@@ -203,60 +263,238 @@ class ChaosRun:
     # -- the nemesis -----------------------------------------------------------------
 
     def _nemesis(self, started: float) -> None:
-        for intent in self.intents:
-            delay = started + intent.at - time.time()
+        """Episode after episode, each at its planned time or, if the one before overran,
+        as soon as it is over: never more than the two faults of one episode at once."""
+        for group in episodes(self.intents):
+            delay = started + group[0].at - time.time()
             if delay > 0:
                 time.sleep(delay)
-            self._inject(intent)
+            self._episode(group)
         remaining = started + self.config.duration - time.time()
         if remaining > 0:
             time.sleep(remaining)
 
-    def _target(self, intent: Intent) -> Replica:
-        if intent.target.startswith("leader:"):
-            instance = self.db.leader_of(intent.target.removeprefix("leader:"))
-            for replica in self.replicas:
-                if replica.current is not None and replica.current.instance == instance:
-                    return replica
-        alive = [r for r in self.replicas if r.current is not None] or self.replicas
-        return alive[int(intent.pick * len(alive))]
+    def _episode(self, group: Sequence[Intent]) -> None:
+        """One fault; or an outer fault in a thread of its own and, once it is in effect
+        and `offset` seconds on, the inner one in this thread. The outer is healed only
+        after the inner is inflicted (both always overlap); each heals itself."""
+        for loop in ("publish", "plugin"):
+            self._leader(loop)  # seen before the outer, should it take the server down
+        if len(group) == 1:
+            self._fault(group[0], threading.Event())
+            return
+        outer, inner = group
+        outer_in, inner_in = threading.Event(), threading.Event()
+        outcome: dict[str, Any] = {}
 
-    def _inject(self, intent: Intent) -> None:
+        def run_outer() -> None:
+            try:
+                self._fault(outer, outer_in, heal_after=inner_in)
+            except BaseException as exc:  # raised again in the nemesis's own thread
+                outcome["error"] = exc
+            finally:
+                outer_in.set()
+
+        thread = threading.Thread(target=run_outer, name=f"chaos-fault-{outer.id}", daemon=True)
+        thread.start()
+        try:
+            outer_in.wait(INFLICT_TIMEOUT)
+            time.sleep(inner.offset)
+            # The outer's replica while it is in effect (it is healed after the inner).
+            self._fault(inner, inner_in, outer_replica=self._hitting(outer.id))
+        finally:
+            inner_in.set()
+            thread.join()
+        if "error" in outcome:
+            raise outcome["error"]
+
+    def _hitting(self, ident: int) -> Replica | None:
+        """The replica fault `ident` hits, while it is in effect."""
+        with self._lock:
+            return next((r for r in self.replicas if ident in self._active.get(r.name, {})), None)
+
+    def _claim(self, intent: Intent, outer_replica: Replica | None) -> tuple[Replica | None, str]:
+        """The replica `intent` hits, registered as hit by it until `_release`; and, if it
+        had to go elsewhere than where it was aimed, why (else "")."""
+        preferred: str | None = None
+        if intent.target.startswith("leader:"):
+            instance = self._leader(intent.target.removeprefix("leader:"))
+            preferred = next(
+                (r.name for r in self.replicas if r.current and r.current.instance == instance),
+                None,
+            )
+        elif intent.target == "outer" and outer_replica is not None:
+            preferred = outer_replica.name
+        with self._lock:
+            states = [
+                ReplicaState(
+                    replica.name,
+                    alive=replica.current is not None
+                    and not any(
+                        k in ENDS_PROCESS for k in self._active.get(replica.name, {}).values()
+                    ),
+                    active=tuple(self._active.get(replica.name, {}).values()),
+                )
+                for replica in self.replicas
+            ]
+            chosen = choose_replica(intent.kind, preferred, intent.pick, states)
+            if chosen is None:
+                return None, "no replica it could hit"
+            busy = ", ".join(sorted(self._active.get(preferred or "", {}).values()))
+            self._active.setdefault(chosen, {})[intent.id] = intent.kind
+        replica = next(r for r in self.replicas if r.name == chosen)
+        if preferred is None or preferred == chosen:
+            return replica, ""
+        return replica, f"{intent.target} was {preferred}, under {busy or 'nothing'}"
+
+    def _leader(self, loop: str) -> str | None:
+        """Who holds `loop`'s lock, as the server says; while it cannot say (it is down:
+        a fault during a restart or a failover), who held it when it last could."""
+        answered, instance = self.db.lock_holder(loop)
+        with self._lock:
+            if answered:
+                self._leaders[loop] = instance
+            return self._leaders.get(loop)
+
+    def _release(self, intent: Intent, replica: Replica) -> None:
+        with self._lock:
+            self._active.get(replica.name, {}).pop(intent.id, None)
+
+    def _fault(
+        self,
+        intent: Intent,
+        inflicted: threading.Event,
+        heal_after: threading.Event | None = None,
+        outer_replica: Replica | None = None,
+    ) -> Replica | None:
+        """Inflict `intent`, set `inflicted`, hold it, wait for `heal_after` (the inner
+        fault of the pair, inflicted), heal it, and record it with its real window.
+        Returns the replica it hit (None: PostgreSQL, or nothing it could hit)."""
         kind = intent.kind
-        replica = self._target(intent) if kind in REPLICA_FAULTS else None
-        target = replica.name if replica is not None else "postgres"
+        replica: Replica | None = None
+        if kind in REPLICA_FAULTS:
+            replica, moved = self._claim(intent, outer_replica)
+            if replica is None:
+                inflicted.set()
+                self.skipped.append({"id": intent.id, "kind": kind, "reason": moved})
+                return None
         start = time.time()
         detail: dict[str, Any] = {}
-        if replica is not None and kind in ("sigkill", "sigterm"):
-            self._end(replica, signal.SIGKILL if kind == "sigkill" else signal.SIGTERM)
+        instance: str | None = None
+        end: float | None = None
+        try:
+            if replica is not None and kind in REPLICA_FAULTS:
+                detail, instance, end = self._replica_fault(intent, replica, inflicted, heal_after)
+                if moved:
+                    detail["retargeted"] = moved
+            else:
+                detail = self._database_fault(intent, inflicted, heal_after)
+        finally:
+            inflicted.set()
+            if replica is not None:
+                self._release(intent, replica)
+        self._record(
+            "fault",
+            kind=kind,
+            target=replica.name if replica is not None else "postgres",
+            instance=instance,
+            start=start,
+            end=end if end is not None else time.time(),
+            id=intent.id,
+            during=intent.during,
+            **detail,
+        )
+        return replica
+
+    def _wait_for(self, heal_after: threading.Event | None) -> None:
+        if heal_after is not None and not heal_after.wait(INFLICT_TIMEOUT):
+            raise AssertionError(f"the inner fault was not inflicted in {INFLICT_TIMEOUT:g} s")
+
+    def _replica_fault(
+        self,
+        intent: Intent,
+        replica: Replica,
+        inflicted: threading.Event,
+        heal_after: threading.Event | None,
+    ) -> tuple[dict[str, Any], str | None, float | None]:
+        """(detail, the incarnation hit for a process fault, the end if it came early)."""
+        kind = intent.kind
+        current = replica.current
+        # A link fault hits whichever process runs behind the link: no one incarnation.
+        instance = current.instance if current is not None and kind in PROCESS_FAULTS else None
+        if kind in ("sigkill", "sigterm"):
+            sig = signal.SIGKILL if kind == "sigkill" else signal.SIGTERM
+            self._end(replica, sig, sent=inflicted.set, why=f"{kind} (fault {intent.id})")
             time.sleep(intent.duration)
+            self._wait_for(heal_after)
             self._start(replica)
-        elif replica is not None and kind == "sigstop":
-            current = replica.current
-            if current is not None:
-                current.process.signal(signal.SIGSTOP)
-                time.sleep(intent.duration)
-                current.process.signal(signal.SIGCONT)
-        elif replica is not None and kind == "partition":
-            self.network.partition(replica.index)
-            time.sleep(intent.duration)
-            self.network.heal(replica.index)
-        elif replica is not None and kind == "netem":
-            rng = random.Random(intent.pick)
-            detail = {"delay_ms": rng.randint(50, 300), "loss_pct": rng.choice([0, 2, 5, 10])}
-            self.network.impair(replica.index, jitter_ms=detail["delay_ms"] // 4, **detail)
-            time.sleep(intent.duration)
-            self.network.clear(replica.index)
-        elif replica is not None and kind == "clock_skew":
-            self._end(replica, signal.SIGTERM)
+            return {}, instance, None
+        if kind == "clock_skew":
+            self._end(
+                replica, signal.SIGTERM, sent=inflicted.set, why=f"{kind} (fault {intent.id})"
+            )
+            self._wait_for(heal_after)
             # Whole seconds: what libfaketime is given is what the history subtracts.
             detail = {"skew_seconds": round(intent.skew_minutes * 60)}
             self._start(replica, skew_seconds=detail["skew_seconds"])
-        elif kind in ("pg_restart_fast", "pg_restart_immediate"):
-            self.db.restart("fast" if kind == "pg_restart_fast" else "immediate")
-        elif kind in ("failover_sync", "failover_async"):
-            detail = self.db.failover(synchronous=kind == "failover_sync")
-        self._record("fault", kind=kind, target=target, start=start, end=time.time(), **detail)
+            return detail, instance, None
+        if kind == "sigstop":
+            assert current is not None  # choose_replica hits a live process only
+            with self._lock:
+                current.frozen_by, current.thawed, current.thawed_by = intent.id, None, None
+                current.process.signal(signal.SIGSTOP)
+            inflicted.set()
+            time.sleep(intent.duration)
+            self._wait_for(heal_after)
+            with self._lock:
+                if current.thawed is None:
+                    current.process.signal(signal.SIGCONT)
+                    current.thawed = time.time()
+                current.frozen_by = None
+                ended_by = current.thawed_by
+                end = current.thawed
+            return ({"ended_by": ended_by} if ended_by else {}), instance, end
+        if kind == "partition":
+            with self._net_lock:
+                self.network.partition(replica.index)
+            inflicted.set()
+            time.sleep(intent.duration)
+            self._wait_for(heal_after)
+            with self._net_lock:
+                self.network.heal(replica.index)
+            return {}, None, None
+        assert kind == "netem", kind
+        rng = random.Random(intent.pick)
+        detail = {"delay_ms": rng.randint(50, 300), "loss_pct": rng.choice([0, 2, 5, 10])}
+        with self._net_lock:
+            self.network.impair(replica.index, jitter_ms=detail["delay_ms"] // 4, **detail)
+        inflicted.set()
+        time.sleep(intent.duration)
+        self._wait_for(heal_after)
+        with self._net_lock:
+            self.network.clear(replica.index)
+        return detail, None, None
+
+    def _database_fault(
+        self, intent: Intent, inflicted: threading.Event, heal_after: threading.Event | None
+    ) -> dict[str, Any]:
+        kind = intent.kind
+        if kind in ("pg_restart_fast", "pg_restart_immediate"):
+            self.db.stop_primary("fast" if kind == "pg_restart_fast" else "immediate")
+            inflicted.set()
+            self._wait_for(heal_after)
+            self.db.start_primary()
+            return {}
+        assert kind in ("failover_sync", "failover_async"), kind
+        paired = intent.during is not None or heal_after is not None
+
+        def between() -> None:  # the old primary dead, the standby not yet promoted
+            inflicted.set()
+            self._wait_for(heal_after)
+
+        return self.db.failover(
+            synchronous=kind == "failover_sync", before_promote=between if paired else None
+        )
 
     # -- the history -----------------------------------------------------------------
 
@@ -290,9 +528,13 @@ class ChaosRun:
                 "skews": {k: v for k, v in skews.items() if v},
                 "feeder_errors": len(feed.errors),
                 "uncertain_keys": feed.uncertain,
+                "overlap": self.config.overlap,
+                "planned_pairs": [list(pair) for pair in planned_pairs(self.intents)],
+                "skipped_faults": self.skipped,
             }
         ]
-        records += self.records
+        # Faults in the order they began (two of one episode end in either order).
+        records += sorted(self.records, key=lambda record: record["start"])
         records += self._publications(feed)
         records += self._database_runs()
         records += self._leader_events(skews)

@@ -7,7 +7,11 @@ checked again later, by a newer checker, without running it again:
 ``meta``           the run: seed, duration, replicas, start and end (wall clock), the
                    checker's settings (see :class:`Meta`) and ``expected_slots`` (each plugin
                    task's period, seconds); any other key is kept in ``extra``.
-``fault``          kind, target (a replica's name, or ``"postgres"``), start, end.
+``fault``          kind, target (a replica's name, or ``"postgres"``), start, end; and,
+                   from the harness, ``instance`` (the process a process fault hit),
+                   ``id`` (its place in the plan) and ``during`` (the id of the fault it
+                   was planned to start inside of: two faults at once). The windows are
+                   what really happened: two faults overlap where their windows do.
 ``publication``    id, key, via (``sql`` / ``api``), publish_at (the wall clock of the
                    database time it is due), created.
 ``publish_effect`` one sighting of a publication having been published: ``id`` (the
@@ -145,6 +149,8 @@ class Fault:
     start: float
     end: float
     instance: str | None = None  # the incarnation hit, when the harness knows it
+    id: int | None = None  # its place in the nemesis's plan
+    during: int | None = None  # the id of the fault it was planned to start inside of
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -170,6 +176,19 @@ class Fault:
         )
         detail = "".join(f", {k} {v}" for k, v in self.extra.items())
         return f"{self.kind} of {self.instance or self.target} at {span}{detail}"
+
+
+def overlapping_faults(faults: Iterable[Fault]) -> list[tuple[Fault, Fault, float]]:
+    """Each pair of faults in effect at once, by their recorded windows (the one that
+    began first, the other, and for how long both were), in the order they began."""
+    ordered = sorted(faults, key=lambda f: (f.start, f.end))
+    pairs: list[tuple[Fault, Fault, float]] = []
+    for index, first in enumerate(ordered):
+        for second in ordered[index + 1 :]:
+            if second.start > first.end:
+                break
+            pairs.append((first, second, min(first.end, second.end) - second.start))
+    return pairs
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,10 +3,35 @@
 The plan is a pure function of the seed, the duration and the fault kinds on offer
 (:func:`plan`), so a failing seed replays the same sequence of intents. Who a fault hits
 is decided when it fires ("the publish leader", "a random replica"), because which
-process leads then depends on what the earlier faults did; the history records the name.
+process leads then depends on what the earlier faults did; the history records the name
+(and, for a fault on a process, the incarnation).
 
-Faults run one at a time, with a quiet gap after each (the system's recovery is part of
-what is measured: failover time per kind is fault start → next work by another instance).
+The plan is a sequence of *episodes*, each followed by a quiet gap (the system's recovery
+is part of what is measured: failover time per kind is fault start → next work by another
+instance). An episode is one fault, or two that overlap, as real incidents do: an *outer*
+fault, and an *inner* one that starts while the outer is in effect (``during``), at
+``offset`` seconds into the outer's hold. Any two kinds may overlap except two faults of
+PostgreSQL itself (:func:`may_overlap`), in either order: a SIGKILL of the leader during a
+partition, a clock step during a PostgreSQL restart, a SIGSTOP during a primary failover,
+a partition of a replica whose process is down.
+
+A fault is *inflicted* (the signal sent, the link cut, the server stopped), *held* for its
+duration, then *healed* (the restart, SIGCONT, the link back, the server started, the
+standby promoted). The outer of a pair is healed only once the inner is inflicted, so the
+two always overlap, also when the outer's hold is nothing but the time its own healing
+takes (a restart of PostgreSQL, a clock step, a failover: the inner lands while the server
+is down, the replica is stopped, the old primary is dead and the standby not yet promoted).
+
+Two faults on one replica at once (:func:`share_replica`) compose when they are different
+things: a fault of its link and a fault of its process (a process killed or restarted
+inside a cut namespace comes up cut); a partition and a bad link (the cut wins while it
+lasts, the bad link is back after it if it still holds); a kill, a stop or a clock step of
+a frozen process (the freeze ends there, and its fault is recorded as ending there). They
+conflict when one would undo the other or there is nothing left to hit: two partitions or
+two bad links of one link (the first heal would end the second early), two SIGSTOPs (the
+first SIGCONT would end the second), anything aimed at a process that a kill or a restart
+is already taking down. A conflicting inner fault goes to another replica
+(:func:`choose_replica`), and the history says where it was aimed.
 """
 
 from __future__ import annotations
@@ -45,23 +70,99 @@ WEIGHTS: dict[FaultKind, float] = {
     "clock_skew": 1,
 }
 
+# Faults of one replica's process, of its link, and of PostgreSQL itself.
+PROCESS_FAULTS: frozenset[FaultKind] = frozenset({"sigkill", "sigterm", "sigstop", "clock_skew"})
+LINK_FAULTS: frozenset[FaultKind] = frozenset({"partition", "netem"})
+DATABASE_FAULTS: frozenset[FaultKind] = frozenset(
+    {"pg_restart_fast", "pg_restart_immediate", "failover_sync", "failover_async"}
+)
 # Faults aimed at one replica: at the leader of a loop most of the time (that is where a
 # fault can break a promise), at any replica otherwise.
-REPLICA_FAULTS: frozenset[FaultKind] = frozenset(
-    {"sigkill", "sigterm", "sigstop", "partition", "netem", "clock_skew"}
-)
+REPLICA_FAULTS: frozenset[FaultKind] = PROCESS_FAULTS | LINK_FAULTS
+# Process faults that end the process they hit (and start another).
+ENDS_PROCESS: frozenset[FaultKind] = frozenset({"sigkill", "sigterm", "clock_skew"})
+
+# How likely an episode is a pair of overlapping faults rather than one fault.
+OVERLAP = 0.4
+
+Target = Literal["leader:publish", "leader:plugin", "random", "postgres", "outer"]
 
 
 @dataclass(frozen=True, slots=True)
 class Intent:
-    """One planned fault: when (seconds after the run's start), what, at whom, how long."""
+    """One planned fault: when (seconds after the run's start), what, at whom, how long.
+
+    ``during``: the ``id`` of the fault this one starts inside of (None: it starts alone),
+    ``offset`` seconds after that fault is in effect; ``at`` is then when it is planned to
+    start if the outer takes no time to inflict."""
 
     at: float
     kind: FaultKind
-    target: str  # "leader:publish", "leader:plugin", "random", or "postgres"
-    pick: float  # in [0, 1): which replica when target is "random"
-    duration: float  # how long the fault lasts before it is healed (kind-specific)
+    target: Target  # "outer": the replica the outer fault hit
+    pick: float  # in [0, 1): which replica when target is "random", or when retargeted
+    duration: float  # how long the fault is held before it is healed (kind-specific)
     skew_minutes: float  # clock_skew only: the offset, signed
+    id: int = 0  # its place in the plan
+    during: int | None = None
+    offset: float = 0.0
+
+
+def may_overlap(a: FaultKind, b: FaultKind) -> bool:
+    """Whether faults of kinds `a` and `b` may be drawn as a pair.
+
+    Not two faults of PostgreSQL: the run's PostgreSQL has one control plane, as a real one
+    does (one orchestrator, one pair of nodes), and its operations cannot interleave: a
+    restart during a failover would stop the new primary under the standby's
+    ``pg_basebackup``, a second restart would race the first's start-up, a failover needs
+    a primary up and a standby streaming before it begins. A second operation on the
+    server waits for the first (and then it is the next episode, not an overlap).
+    """
+    return not (a in DATABASE_FAULTS and b in DATABASE_FAULTS)
+
+
+def share_replica(active: FaultKind, new: FaultKind) -> bool:
+    """Whether a fault of kind `new` may hit a replica that a fault of kind `active` is
+    hitting now (see the module docstring)."""
+    if active in LINK_FAULTS and new in LINK_FAULTS:
+        return active != new
+    if active in PROCESS_FAULTS and new in PROCESS_FAULTS:
+        return active == "sigstop" and new in ENDS_PROCESS
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """What target choice needs to know of a replica when a fault fires."""
+
+    name: str
+    alive: bool  # a process of it runs (and no fault is taking it down)
+    active: tuple[FaultKind, ...] = ()  # the faults hitting it now
+
+
+def choose_replica(
+    kind: FaultKind, preferred: str | None, pick: float, replicas: Sequence[ReplicaState]
+) -> str | None:
+    """The replica a fault of `kind` hits: `preferred` (the leader it was aimed at, the
+    outer fault's replica, or a random one) if the fault can hit it now, else another one
+    chosen by `pick` among those it can; None if there is none.
+
+    A process fault needs a process to hit (a replica whose process is down or being taken
+    down has none); a link fault can cut the link of such a replica too, but only when
+    aimed at it (its next process then comes up behind the cut). Either composes with
+    what already hits the replica only as :func:`share_replica` says."""
+
+    def can(state: ReplicaState, aimed: bool) -> bool:
+        if not all(share_replica(active, kind) for active in state.active):
+            return False
+        return state.alive or (aimed and kind in LINK_FAULTS)
+
+    by_name = {state.name: state for state in replicas}
+    if preferred is not None and preferred in by_name and can(by_name[preferred], True):
+        return preferred
+    candidates = [state.name for state in replicas if can(state, False)]
+    if not candidates:
+        return None
+    return candidates[min(int(pick * len(candidates)), len(candidates) - 1)]
 
 
 def plan(
@@ -72,39 +173,102 @@ def plan(
     warmup: float = 4.0,
     cooldown: float = 8.0,
     mean_gap: float = 3.0,
+    overlap: float = OVERLAP,
     guaranteed: Sequence[FaultKind] = (),
+    guaranteed_pairs: Sequence[tuple[FaultKind, FaultKind]] = (),
 ) -> list[Intent]:
-    """Faults between `warmup` and `duration - cooldown`, with gaps of mean `mean_gap` s.
+    """Episodes between `warmup` and `duration - cooldown`, with gaps of mean `mean_gap` s;
+    each a pair of overlapping faults with probability `overlap`, else one fault.
 
-    Each kind in `guaranteed` is drawn at least once when the run is long enough (the
-    short slice in `make test` must cover partitions and failover, whatever the seed).
+    Each (outer, inner) pair in `guaranteed_pairs` is drawn at least once, and each kind
+    in `guaranteed` (alone, unless a guaranteed pair has it already), when the run is long
+    enough (the short slice in `make test` must cover partitions, failover and overlapping
+    faults, whatever the seed); they are placed first, in an order drawn from the seed.
     """
     if not kinds:
         return []
     rng = random.Random(seed)
-    weights = [WEIGHTS[kind] for kind in kinds]
-    to_place = [kind for kind in guaranteed if kind in kinds]
+    on_offer = list(kinds)
+    to_place: list[tuple[FaultKind, ...]] = [
+        (outer, inner)
+        for outer, inner in guaranteed_pairs
+        if outer in kinds and inner in kinds and may_overlap(outer, inner)
+    ]
+    paired = {kind for pair in to_place for kind in pair}
+    to_place += [(kind,) for kind in guaranteed if kind in kinds and kind not in paired]
     rng.shuffle(to_place)
     intents: list[Intent] = []
     now = warmup
     end = duration - cooldown
     while True:
-        kind = to_place.pop() if to_place else rng.choices(list(kinds), weights)[0]
-        length = _duration(kind, rng)
-        if now + length > end:
+        episode = to_place.pop() if to_place else (_draw(rng, on_offer),)
+        if len(episode) == 1 and rng.random() < overlap:
+            partners = [kind for kind in on_offer if may_overlap(episode[0], kind)]
+            if partners:
+                partner = _draw(rng, partners)
+                episode = (episode[0], partner) if rng.random() < 0.5 else (partner, episode[0])
+        outer = _intent(rng, episode[0], len(intents), now)
+        span = outer.duration
+        placed = [outer]
+        if len(episode) == 2:
+            # Into the outer's hold: early, late, or (a hold of nothing but the healing)
+            # at once, while it is healed.
+            offset = round(rng.uniform(0.1, 0.9) * outer.duration, 2) if outer.duration else 0.0
+            inner = _intent(rng, episode[1], outer.id + 1, now + offset, outer, offset)
+            span = max(span, offset + inner.duration)
+            placed.append(inner)
+        if now + span > end:
             break
-        if kind in REPLICA_FAULTS:
-            target = rng.choices(["leader:publish", "leader:plugin", "random"], [3, 3, 2])[0]
-        else:
-            target = "postgres"
-        skew = rng.choice([-1, 1]) * rng.uniform(1, 10) if kind == "clock_skew" else 0.0
-        intents.append(Intent(round(now, 3), kind, target, rng.random(), length, skew))
-        now += length + _recovery(kind) + rng.expovariate(1 / mean_gap)
+        intents += placed
+        recovery = max(_recovery(intent.kind) for intent in placed)
+        now += span + recovery + rng.expovariate(1 / mean_gap)
     return intents
 
 
+def episodes(intents: Sequence[Intent]) -> list[list[Intent]]:
+    """The plan's episodes in order: each intent with the one it starts during."""
+    grouped: list[list[Intent]] = []
+    for intent in intents:
+        if intent.during is not None and grouped and grouped[-1][0].id == intent.during:
+            grouped[-1].append(intent)
+        else:
+            grouped.append([intent])
+    return grouped
+
+
+def _draw(rng: random.Random, kinds: Sequence[FaultKind]) -> FaultKind:
+    return rng.choices(list(kinds), [WEIGHTS[kind] for kind in kinds])[0]
+
+
+def _intent(
+    rng: random.Random,
+    kind: FaultKind,
+    ident: int,
+    at: float,
+    outer: Intent | None = None,
+    offset: float = 0.0,
+) -> Intent:
+    length = _duration(kind, rng)
+    target: Target
+    if kind not in REPLICA_FAULTS:
+        target = "postgres"
+    elif outer is not None and outer.kind in REPLICA_FAULTS and share_replica(outer.kind, kind):
+        # Aimed at the outer's replica about a quarter of the time: a fault of the link of a
+        # replica whose process is down, a kill of a partitioned or frozen leader. Aimed
+        # at a leader, it often lands there too (the lock has not moved yet) or on the
+        # new leader (a second failure during the takeover).
+        options: list[Target] = ["leader:publish", "leader:plugin", "random", "outer"]
+        target = rng.choices(options, [3, 3, 2, 3])[0]
+    else:
+        aims: list[Target] = ["leader:publish", "leader:plugin", "random"]
+        target = rng.choices(aims, [3, 3, 2])[0]
+    skew = rng.choice([-1, 1]) * rng.uniform(1, 10) if kind == "clock_skew" else 0.0
+    during = outer.id if outer is not None else None
+    return Intent(round(at, 3), kind, target, rng.random(), length, skew, ident, during, offset)
+
+
 def _duration(kind: FaultKind, rng: random.Random) -> float:
-    """How long the fault lasts, drawn for its kind (seconds; rounded for readable logs)."""
+    """How long the fault is held, drawn for its kind (seconds; rounded for readable logs)."""
     low, high = {
         "sigkill": (0.3, 2.0),  # down, then restarted
         "sigterm": (0.3, 2.0),
@@ -131,3 +295,8 @@ def _recovery(kind: FaultKind) -> float:
         "pg_restart_immediate": 4.0,
         "sigstop": 4.0,
     }.get(kind, 2.0)
+
+
+def planned_pairs(intents: Sequence[Intent]) -> list[tuple[FaultKind, FaultKind]]:
+    """(outer, inner) kinds of each planned pair, in plan order."""
+    return [(group[0].kind, group[1].kind) for group in episodes(intents) if len(group) == 2]

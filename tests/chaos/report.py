@@ -10,6 +10,10 @@ within its window (fault end + recovery allowance) *kept* its leader: a short SI
 bad link, a standby's fault. Where the replicas logged ``leader.acquired``, the takeover
 (fault start to the next acquisition by another instance) is reported beside it: the
 publish loop's next work also waits for the next publication due.
+
+Faults in effect at once are listed as pairs, by their recorded windows (which kinds, how
+long together, whether the nemesis planned them as a pair), and drawn in red on the
+timeline's row of faults, in two lanes.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from chaos.checker import CheckResult, Stats, Violation, merge_spans
-from chaos.history import LOOPS, Fault, History, clock
+from chaos.history import LOOPS, Fault, History, clock, overlapping_faults
 
 # Work by one instance with gaps shorter than this is drawn as one stretch of leadership.
 JOIN_GAP = 2.0
@@ -76,6 +80,7 @@ def summarize(history: History, result: CheckResult) -> dict[str, Any]:
         "faults": {
             "total": len(history.faults),
             "by_kind": dict(sorted(Counter(f.kind for f in history.faults).items())),
+            "overlapping": _overlapping(history),
         },
         "failover": {kind: t.as_dict() for kind, t in sorted(failover_times(history).items())},
         "publications": {
@@ -106,6 +111,32 @@ def summarize(history: History, result: CheckResult) -> dict[str, Any]:
         "allowed": _listing(result.allowed),
         "final_locks": None if history.final_locks is None else len(history.final_locks),
         "notes": list(result.notes),
+    }
+
+
+def _overlapping(history: History) -> dict[str, Any]:
+    """The pairs of faults in effect at once, by their windows: how many, of which kinds
+    (in the order they began), for how long together, and each one."""
+    pairs = overlapping_faults(history.faults)
+    by_pair: dict[str, list[float]] = defaultdict(list)
+    for first, second, together in pairs:
+        by_pair[f"{first.kind} + {second.kind}"].append(together)
+    return {
+        "count": len(pairs),
+        "planned": sum(1 for f in history.faults if f.during is not None),
+        "by_pair": {
+            pair: {"count": len(times), "together": Stats.of(times).as_dict()}
+            for pair, times in sorted(by_pair.items())
+        },
+        "items": [
+            {
+                "first": first.describe(),
+                "second": second.describe(),
+                "together": round(together, 3),
+                "planned": second.during is not None and second.during == first.id,
+            }
+            for first, second, together in pairs
+        ],
     }
 
 
@@ -253,6 +284,8 @@ def markdown(numbers: dict[str, Any], result: CheckResult, limit: int = 100) -> 
         *_table(["kind", "count"], [[k, n] for k, n in numbers["faults"]["by_kind"].items()]),
         f"| total | {numbers['faults']['total']} |",
         "",
+        *_overlaps(numbers["faults"]["overlapping"], limit),
+        "",
         "## Failover",
         "",
         "Fault start to the next work by another instance in each loop the faulted replica "
@@ -337,6 +370,30 @@ def markdown(numbers: dict[str, Any], result: CheckResult, limit: int = 100) -> 
     ]
     out += ["", "## Notes", "", *(f"- {n}" for n in numbers["notes"])] if numbers["notes"] else []
     return "\n".join(out) + "\n"
+
+
+def _overlaps(o: dict[str, Any], limit: int) -> list[str]:
+    lines = [
+        "### Overlapping faults",
+        "",
+        f"{o['count']} pair(s) of faults in effect at once, by their recorded windows "
+        f"({o['planned']} planned as a pair: the second started during the first).",
+    ]
+    if not o["count"]:
+        return lines
+    rows = [
+        [pair, p["count"], _s(p["together"]["p50"]), _s(p["together"]["max"])]
+        for pair, p in o["by_pair"].items()
+    ]
+    lines += ["", *_table(["first + second", "pairs", "together p50 s", "max s"], rows), ""]
+    lines += [
+        f"- {item['first']}; {item['second']}: {item['together']:.3f} s together"
+        + ("" if item["planned"] else " (not planned as a pair)")
+        for item in o["items"][:limit]
+    ]
+    if len(o["items"]) > limit:
+        lines.append(f"- … and {len(o['items']) - limit} more (report.json has them all)")
+    return lines
 
 
 def _publications(p: dict[str, Any]) -> list[str]:
@@ -451,8 +508,21 @@ def draw_timeline(history: History, result: CheckResult, path: Path) -> None:
             axes.broken_barh(
                 [(start - t0, width)], (y - 0.18, 0.36), facecolors=colour[name], linewidth=0
             )
-    for fault in history.faults:
-        _shade(axes, fault, t0, meta.duration)
+    # Faults: shaded over the loops, and each a bar on a row of its own, in one of two
+    # lanes, those in effect together with another in red (their labels too: above the
+    # lane-0 fault's start on its left, the lane-1 fault's on its right).
+    together = {id(f) for pair in overlapping_faults(history.faults) for f in pair[:2]}
+    fault_row = len(rows)
+    for fault, lane in fault_lanes(history.faults):
+        _shade(axes, fault, t0, meta.duration, lane, id(fault) in together)
+        start = fault.start - t0
+        width = max(fault.end - fault.start, meta.duration / 400)
+        axes.broken_barh(
+            [(start, width)],
+            (fault_row - 0.4 + 0.42 * lane, 0.36),
+            facecolors="firebrick" if id(fault) in together else "dimgrey",
+            linewidth=0,
+        )
     for items, marker, tint in (
         (result.allowed, "+", "darkorange"),
         (result.violations, "x", "red"),
@@ -461,17 +531,19 @@ def draw_timeline(history: History, result: CheckResult, path: Path) -> None:
         if points:
             xs, ys = zip(*points, strict=True)
             axes.scatter(xs, ys, marker=marker, color=tint, s=70, zorder=5, linewidths=2)
-    axes.set_yticks(list(rows.values()), list(rows))
-    axes.set_ylim(-0.6, len(rows) + 0.3)  # room above the rows for the fault labels
+    axes.set_yticks([*rows.values(), fault_row], [*rows, "faults"])
+    axes.set_ylim(-0.6, fault_row + 1.6)  # room above the rows for the fault labels
     axes.set_xlim(0, max(meta.end - t0, 1.0))
     axes.set_xlabel(f"seconds since {clock(t0)} UTC")
     axes.set_title(
-        f"seed {meta.seed}: {len(history.faults)} faults, {len(result.violations)} "
-        f"violations, {len(result.allowed)} allowed"
+        f"seed {meta.seed}: {len(history.faults)} faults "
+        f"({len(overlapping_faults(history.faults))} overlapping pairs), "
+        f"{len(result.violations)} violations, {len(result.allowed)} allowed"
     )
     handles: list[Any] = [Patch(color=colour[name], label=name) for name in instances[:30]]
     handles += [
         Patch(color="grey", alpha=0.25, label="fault"),
+        Patch(color="firebrick", label="overlapping faults"),
         Line2D([], [], marker="x", color="red", linestyle="", label="violation"),
         Line2D([], [], marker="+", color="darkorange", linestyle="", label="allowed"),
     ]
@@ -490,7 +562,23 @@ def _natural(name: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def _shade(axes: Any, fault: Fault, t0: float, duration: float) -> None:
+def fault_lanes(faults: Sequence[Fault]) -> list[tuple[Fault, int]]:
+    """Each fault with its lane on the timeline: the first lane free at its start (two
+    suffice while no more than two faults are in effect at once; a third would share)."""
+    ends: list[float] = []
+    placed: list[tuple[Fault, int]] = []
+    for fault in sorted(faults, key=lambda f: (f.start, f.end)):
+        lane = next((n for n, end in enumerate(ends) if end < fault.start), len(ends))
+        if lane == len(ends):
+            ends.append(fault.end)
+        ends[lane] = fault.end
+        placed.append((fault, min(lane, 1)))
+    return placed
+
+
+def _shade(
+    axes: Any, fault: Fault, t0: float, duration: float, lane: int = 0, together: bool = False
+) -> None:
     start = fault.start - t0
     end = max(fault.end - t0, start + duration / 400)  # an instant fault stays visible
     axes.axvspan(start, end, color="grey", alpha=0.25, linewidth=0)
@@ -502,6 +590,7 @@ def _shade(axes: Any, fault: Fault, t0: float, duration: float) -> None:
         rotation=90,
         fontsize=6,
         va="top",
-        ha="right",
+        ha="right" if lane == 0 else "left",
+        color="firebrick" if together else "black",
         transform=axes.get_xaxis_transform(),
     )

@@ -1,7 +1,7 @@
 """The chaos suite: real replicas under a seeded nemesis, judged by the history checker.
 
 ``make test`` runs the short deterministic slice (fixed seeds, each about a minute, each
-guaranteed a partition and a primary failover among its faults); ``make chaos SEED=…
+guaranteed a partition, a primary failover and overlapping faults among its faults); ``make chaos SEED=…
 DURATION=… REPLICAS=…`` runs one long run with every fault kind (the soak). Every run
 leaves its directory (history, report, timeline picture, each replica's logs) behind; a
 failure names it.
@@ -17,20 +17,42 @@ import pytest
 
 from chaos.checker import check
 from chaos.harness import ChaosConfig, ChaosRun
-from chaos.history import History
+from chaos.history import History, overlapping_faults
 from chaos.nemesis import ALL_KINDS, FaultKind
 from chaos.report import write_report
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Each seed of the slice is guaranteed these kinds (more may be drawn): between them the
-# slice covers a silent partition, both kinds of primary failover, kills, stalls, a
-# PostgreSQL crash and a skewed clock, in about a minute each.
-SLICE: dict[int, tuple[FaultKind, ...]] = {
-    11: ("partition", "failover_sync", "sigkill", "sigstop"),
-    12: ("partition", "failover_async", "pg_restart_immediate", "clock_skew", "sigterm"),
+# Each seed of the slice is guaranteed these kinds and these overlapping (outer, inner)
+# pairs (more may be drawn): between them the slice covers a silent partition, both kinds
+# of primary failover, kills, stalls, a PostgreSQL crash and a skewed clock, and faults
+# that overlap: a SIGKILL during a partition, a SIGSTOP during a primary failover, a
+# SIGTERM during a partition and a clock step during a PostgreSQL crash, in about a minute
+# each.
+SLICE: dict[int, tuple[tuple[FaultKind, ...], tuple[tuple[FaultKind, FaultKind], ...]]] = {
+    11: (
+        ("partition", "failover_sync", "sigkill", "sigstop"),
+        (("partition", "sigkill"), ("failover_sync", "sigstop")),
+    ),
+    12: (
+        ("partition", "failover_async", "pg_restart_immediate", "clock_skew", "sigterm"),
+        (("partition", "sigterm"), ("pg_restart_immediate", "clock_skew")),
+    ),
 }
 SLICE_SECONDS = 45.0
+
+# The soak's pairs, each drawn at least once beside the random ones (every kind is too):
+# the incidents the nemesis was taught overlap for.
+SOAK_PAIRS: tuple[tuple[FaultKind, FaultKind], ...] = (
+    ("partition", "sigkill"),  # the partitioned leader killed: its successor comes up cut
+    ("pg_restart_fast", "clock_skew"),  # a clock step while PostgreSQL restarts
+    ("failover_sync", "sigstop"),  # a leader frozen while there is no primary
+    ("failover_async", "partition"),  # a leader cut off while commits are lost
+    ("sigstop", "sigkill"),  # a frozen process killed (a liveness probe)
+    ("netem", "partition"),  # a bad link that then goes dead
+    ("sigkill", "netem"),  # a restart onto a bad link
+    ("pg_restart_immediate", "sigterm"),  # a graceful stop while PostgreSQL crashes
+)
 
 
 def run_and_check(config: ChaosConfig) -> tuple[History, Path]:
@@ -44,24 +66,35 @@ def run_and_check(config: ChaosConfig) -> tuple[History, Path]:
     return history, config.directory
 
 
-@pytest.mark.processes
-@pytest.mark.parametrize("seed", sorted(SLICE))
-def test_chaos_slice(seed: int, tmp_path: Path) -> None:
-    config = ChaosConfig(
+def slice_config(seed: int, directory: Path) -> ChaosConfig:
+    kinds, pairs = SLICE[seed]
+    return ChaosConfig(
         seed=seed,
         duration=SLICE_SECONDS,
         replicas=3,
-        directory=tmp_path / f"chaos-{seed}",
-        guaranteed=SLICE[seed],
+        directory=directory,
+        guaranteed=kinds,
+        guaranteed_pairs=pairs,
         mean_gap=1.5,
     )
-    history, directory = run_and_check(config)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("seed", sorted(SLICE))
+def test_chaos_slice(seed: int, tmp_path: Path) -> None:
+    history, directory = run_and_check(slice_config(seed, tmp_path / f"chaos-{seed}"))
     # A run that injected nothing, or whose work never moved between instances, proves
-    # nothing: the guaranteed faults happened and leadership changed hands in both loops.
+    # nothing: the guaranteed faults happened, the guaranteed pairs overlapped (by their
+    # recorded windows), and leadership changed hands in both loops.
+    guaranteed, pairs = SLICE[seed]
+    network = bool(history.meta.get("network_namespaces"))
     kinds = {fault.kind for fault in history.faults}
-    assert set(SLICE[seed]) - {"partition"} <= kinds or not history.meta.get("network_namespaces")
-    if history.meta.get("network_namespaces"):
-        assert set(SLICE[seed]) <= kinds, (kinds, directory)
+    wanted = set(guaranteed) if network else set(guaranteed) - {"partition", "netem"}
+    assert wanted <= kinds, (kinds, directory)
+    overlapped = {(a.kind, b.kind) for a, b, _ in overlapping_faults(history.faults)}
+    for pair in pairs:
+        if network or not {"partition", "netem"} & set(pair):
+            assert pair in overlapped, (pair, overlapped, directory)
     for loop in ("publish", "plugin"):
         workers = {run.instance for run in history.runs if run.loop == loop}
         assert len(workers) >= 2, f"only {workers} did {loop} work: {directory}"
@@ -71,7 +104,8 @@ def test_chaos_slice(seed: int, tmp_path: Path) -> None:
 @pytest.mark.chaos_long
 @pytest.mark.processes
 def test_chaos_soak() -> None:
-    """``make chaos SEED=… DURATION=… REPLICAS=…``: every fault kind, a long run."""
+    """``make chaos SEED=… DURATION=… REPLICAS=…``: every fault kind and the soak's pairs
+    of overlapping faults beside the random ones, a long run."""
     seed = int(os.environ.get("CHAOS_SEED") or time.time_ns() % 100_000)
     duration = float(os.environ.get("CHAOS_DURATION") or 300)
     replicas = int(os.environ.get("CHAOS_REPLICAS") or 5)
@@ -84,5 +118,6 @@ def test_chaos_soak() -> None:
         replicas=replicas,
         directory=directory,
         guaranteed=ALL_KINDS,
+        guaranteed_pairs=SOAK_PAIRS,
     )
     run_and_check(config)

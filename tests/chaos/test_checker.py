@@ -657,7 +657,11 @@ def test_the_report_has_the_numbers_of_the_history(tmp_path: Path) -> None:
     assert paths["timeline"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert paths["timeline"].stat().st_size > 10_000
     numbers = json.loads(paths["json"].read_text())
-    assert numbers["faults"] == {"total": 2, "by_kind": {"pg_restart_fast": 1, "sigkill": 1}}
+    assert numbers["faults"] == {
+        "total": 2,
+        "by_kind": {"pg_restart_fast": 1, "sigkill": 1},
+        "overlapping": {"count": 0, "planned": 0, "by_pair": {}, "items": []},
+    }
     # The SIGKILLed r1.1 led both loops: r2.1 worked next in plugin at 30.01 s (its row of
     # slot 30), in publish at 30.80 s (publication 12); it logged leader.acquired at 29.7 s.
     assert numbers["failover"]["sigkill"] == {
