@@ -686,6 +686,7 @@ class PluginWork:
                 fencing_token=ctx.fencing_token,
                 log_format=self.settings.log.format,
                 log_level=self.settings.log.level,
+                log_debug_libraries=self.settings.log.debug_libraries,
                 log_context=dict(structlog.get_context(log)),
                 args=spec.args,
             )

@@ -107,6 +107,7 @@ class WorkerJob:
     log_level: str
     log_context: dict[str, Any] = field(default_factory=dict)  # bound on the ctx's logger
     args: dict[str, Any] = field(default_factory=dict)  # ctx.args
+    log_debug_libraries: bool = False  # LogSettings.debug_libraries
 
 
 def check_picklable(target: Callable[..., Any]) -> str | None:
@@ -585,7 +586,13 @@ def _call(blob: bytes, cancelled: threading.Event) -> dict[str, Any]:
     try:
         job: WorkerJob = pickle.loads(blob)  # imports the target: may fail, reported
         configure_logging(
-            LogSettings.model_validate({"format": job.log_format, "level": job.log_level}),
+            LogSettings.model_validate(
+                {
+                    "format": job.log_format,
+                    "level": job.log_level,
+                    "debug_libraries": job.log_debug_libraries,
+                }
+            ),
             instance=job.instance,
         )
         ctx = TaskContext(
