@@ -1,24 +1,33 @@
 """SQLite leadership keys on the database file's identity, not on how its path is spelled.
 
-The flock lives on a sidecar ``<real db file>.<loop>.lock`` next to the real file, so
-processes reaching one database through a symlink to the file or to a directory on the
-way elect one leader between them. Setups that cannot be made safe are refused at startup
-(exit 78): a hard-linked database file (SQLite's -wal and -shm are per path) and a
-network filesystem (flock is not reliable across hosts). No network filesystem is
-available here, so that refusal is tested on crafted ``/proc/self/mountinfo`` text.
+A leader holds two locks per loop: an flock on a sidecar ``<real db file>.<loop>.lock``
+next to the real file (found by path), and a byte lock on the database file itself (found
+by inode). So processes reaching one database through a symlink to the file or to a
+directory on the way, through a bind-mounted directory, under a new name after a rename,
+or after the sidecar was removed, elect one leader between them; a leader whose path
+no longer names its file steps down and leads no more. Setups that cannot be made safe
+are refused at startup (exit 78): a hard-linked database file or a file mounted on its own
+(SQLite's -wal and -shm are per path) and a network filesystem (flock is not reliable
+across hosts). No network filesystem is available here, so that refusal is tested on
+crafted ``/proc/self/mountinfo`` text. Exclusion is proven by the wall-clock intervals the
+probe's runs record outside the database.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import signal
+import struct
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from rig.databases import copy_sqlite
-from rig.processes import DaemonProcess, Daemons, run_cli
+from rig.plugin import ci_is_set
+from rig.processes import CLI, DaemonProcess, Daemons, daemon_env, run_cli
 from rig.ticks import (
     PLUGIN_ONLY,
     assert_no_overlap,
@@ -40,7 +49,7 @@ from scheduler_daemon.db.sqlite_file import (
     system_mounts,
 )
 from scheduler_daemon.errors import ConfigError
-from scheduler_daemon.leadership.sqlite_flock import lock_path
+from scheduler_daemon.leadership.sqlite_flock import DATABASE_LOCK_BYTES, lock_path
 
 
 def _url(path: Path) -> str:
@@ -67,6 +76,19 @@ def _held(path: Path) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+def _byte_held(database: Path, loop: str) -> bool:
+    """Whether some process holds `loop`'s byte lock on the database file (asked without
+    taking it). Only ever on a file this test process has no SQLite connection to: closing
+    a descriptor drops the process's fcntl locks on the file."""
+    fd = os.open(database, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        request = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, DATABASE_LOCK_BYTES[loop], 1, 0)
+        answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, request)
+    finally:
+        os.close(fd)
+    return struct.unpack("hhqqi", answer)[0] != fcntl.F_UNLCK
 
 
 def _plugin_events(process: DaemonProcess, event: str) -> list[dict[str, object]]:
@@ -144,6 +166,189 @@ def test_two_paths_to_one_sqlite_file_elect_one_leader(
     )
     assert set(summary["plugin"]) == {leader.name, standby.name}
     assert _lock_files(tmp_path) == {expected_lock}
+
+
+def _replica(env: dict[str, str], database: Path, name: str) -> dict[str, str]:
+    return {**env, "SCHEDULER_DATABASE_URL": _url(database), "SCHEDULER_INSTANCE_ID": name}
+
+
+# -- the file renamed, its lock file removed: still one leader -------------------------------
+
+
+@pytest.mark.parametrize("change", ["renamed", "replaced"])
+def test_a_database_renamed_or_replaced_under_its_leader_keeps_one_leader(
+    change: str, sqlite_template: Path, daemons: Daemons, tmp_path: Path
+) -> None:
+    """Issue 20: the old leader kept the old lock file, a process started on the new name
+    locked a new one, and both ran the loop's work. Now a newcomer on the new name waits on
+    the byte lock of the file itself; one on a new file put at the old path (a restored
+    copy) waits on the lock file. The old leader, finding its path changed at its next
+    heartbeat, steps down, leads no more and exits 78 naming the cause."""
+    path, aside = tmp_path / "scheduler.db", tmp_path / "renamed.db"
+    copy_sqlite(sqlite_template, path)
+    probe_log = tmp_path / "probe.jsonl"
+    # The default heartbeat (2 s): the newcomer usually starts, and waits, before the old
+    # leader looks at its path again. Exclusion does not depend on it.
+    env = python_probe_env(probe_log, every="0.1s", sleep=0.3)
+    first = daemons.start(_replica(env, path, "first"), PLUGIN_ONLY, name="first")
+    first.wait_for_log("leader.acquired", loop="plugin")
+    changed_at = time.time()
+    for suffix in ("", "-wal", "-shm"):  # as a careful operator would: nothing is lost
+        os.rename(f"{path}{suffix}", f"{aside}{suffix}")
+    if change == "renamed":
+        newcomer_path, why = aside, "nothing is there now"
+        assert _byte_held(aside, "plugin")  # whoever opens the new name now is kept out
+    else:
+        copy_sqlite(sqlite_template, path)
+        newcomer_path, why = path, "another file is there now"
+        assert _held(lock_path(path, "plugin"))  # whoever opens the old path is kept out
+    second = daemons.start(_replica(env, newcomer_path, "second"), PLUGIN_ONLY, name="second")
+
+    taken = wait_for_event(second, "leader.acquired", loop="plugin")
+    assert taken["lock_file"] == str(lock_path(newcomer_path, "plugin"))
+    assert first.wait(30) == 78, first.output()[-3000:]
+    (stepped,) = _plugin_events(first, "leader.stepped_down")
+    reason = str(stepped["reason"])
+    assert reason.startswith(
+        f"database_url: {path} is no longer the database file this process opened ({why}: "
+        "it was renamed, removed or replaced while the daemon ran)"
+    ), reason
+    assert len(_plugin_events(first, "leader.acquired")) == 1  # never led again
+    waited = second.wait_for_log("leader.waiting", loop="plugin")
+    time.sleep(1.0)
+    stop_all([second])
+
+    summary = assert_no_overlap(python_ticks(probe_log), min_ticks=4, min_instances=2)
+    kept_out = event_time(waited) < event_time(stepped)
+    print(
+        f"\n{change}: runs per instance {summary['plugin']}; the old leader stepped down "
+        f"{event_time(stepped) - changed_at:.2f}s after the change; the newcomer "
+        f"{'waited on a lock' if kept_out else 'started after the old leader left'} and led "
+        f"{event_time(taken) - event_time(stepped):.3f}s after that"
+    )
+
+
+def test_a_lock_file_removed_under_its_leader_keeps_one_leader(
+    sqlite_template: Path, daemons: Daemons, tmp_path: Path
+) -> None:
+    """The lock file removed under a leader and a standby: a newcomer makes a new one and
+    takes its flock, but the database file's byte keeps it waiting; the leader locks the
+    new lock file at its next heartbeat; after two hand-overs (SIGTERM, SIGKILL) each of
+    the three has led, never two at once."""
+    database = tmp_path / "scheduler.db"
+    copy_sqlite(sqlite_template, database)
+    lock = lock_path(database, "plugin")
+    probe_log = tmp_path / "probe.jsonl"
+    env = {
+        **python_probe_env(probe_log, every="0.1s", sleep=0.3),
+        "SCHEDULER_LOCK__HEARTBEAT_INTERVAL": "0.5",
+    }
+    leader = daemons.start(_replica(env, database, "a"), PLUGIN_ONLY, name="a")
+    leader.wait_for_log("leader.acquired", loop="plugin")
+    standby = daemons.start(_replica(env, database, "b"), PLUGIN_ONLY, name="b")
+    standby.wait_for_log("leader.waiting", loop="plugin")
+
+    lock.unlink()
+    removed_at = time.time()
+    newcomer = daemons.start(_replica(env, database, "c"), PLUGIN_ONLY, name="c")
+    newcomer.wait_for_log("leader.waiting", loop="plugin")
+    restored = wait_for_event(leader, "leader.lock_file_restored", after=removed_at, loop="plugin")
+    assert _held(lock)
+    time.sleep(1.0)  # all three side by side: the two others must stay standbys
+    assert _lock_files(tmp_path) == {lock}
+
+    leader.signal(signal.SIGTERM)
+    assert leader.wait(30) == 0, leader.output()[-3000:]
+    second = first_leader([standby, newcomer])
+    time.sleep(1.0)
+    second.kill()
+    (third,) = (p for p in (standby, newcomer) if p is not second)
+    first_leader([third])
+    time.sleep(1.0)
+    stop_all([third])
+
+    summary = assert_no_overlap(python_ticks(probe_log), min_ticks=6, min_instances=3)
+    print(
+        f"\nlock file removed: runs per instance {summary['plugin']}; the leader locked "
+        f"the new one {event_time(restored) - removed_at:.2f}s after the removal"
+    )
+
+
+# -- bind mounts -------------------------------------------------------------------------------
+
+
+def _in_mount_namespace(source: Path, target: Path, argv: list[str]) -> list[str]:
+    """`argv` run in a private mount namespace of its own where `source` is bind-mounted
+    on `target` (exec'd: the pid is the daemon's, signals reach it)."""
+    script = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+            str(source), str(target), *argv]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mount_namespaces() -> None:
+    reason = None
+    if os.geteuid() != 0:
+        reason = "bind mounts need root"
+    elif shutil.which("unshare") is None:
+        reason = "no unshare command"
+    elif subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
+        reason = "cannot make a mount namespace here"
+    if reason is not None:
+        if ci_is_set():
+            pytest.fail(f"bind mounts are required under CI: {reason}")
+        pytest.skip(reason)
+
+
+def test_bind_mounts_a_mounted_directory_shares_the_locks_a_mounted_file_is_refused(
+    mount_namespaces: None, sqlite_template: Path, daemons: Daemons, tmp_path: Path
+) -> None:
+    """A file mounted on its own would put its -wal and -shm beside the mount point: refused
+    (exit 78). Its directory mounted elsewhere (what the refusal advises) is one set of
+    files: a process there and one on the real path elect one leader."""
+    data = tmp_path / "data"
+    data.mkdir()
+    database = data / "scheduler.db"
+    copy_sqlite(sqlite_template, database)
+    mounts = tmp_path / "mounts"
+    (mounts / "dir").mkdir(parents=True)
+    alone = mounts / "alone.db"
+    alone.touch()
+    # `migrate` refuses it as `run` does, and starts faster; alongside the rest.
+    refused = daemons.spawn(
+        _in_mount_namespace(database, alone, [*CLI, "migrate"]),
+        daemon_env({"SCHEDULER_DATABASE_URL": _url(alone)}),
+        name="refused",
+    )
+
+    probe_log = tmp_path / "probe.jsonl"
+    env = {
+        **python_probe_env(probe_log, every="0.1s", sleep=0.3),
+        "SCHEDULER_LOCK__HEARTBEAT_INTERVAL": "0.5",
+    }
+    direct = daemons.start(_replica(env, database, "direct"), PLUGIN_ONLY, name="direct")
+    direct.wait_for_log("leader.acquired", loop="plugin")
+    mounted = daemons.spawn(
+        _in_mount_namespace(data, mounts / "dir", [*CLI, *PLUGIN_ONLY]),
+        daemon_env(_replica(env, mounts / "dir" / "scheduler.db", "mounted")),
+        name="mounted",
+    )
+    mounted.wait_for_log("leader.waiting", loop="plugin")
+    time.sleep(1.0)  # side by side: the mounted one must stay a standby
+    direct.signal(signal.SIGTERM)
+    assert direct.wait(30) == 0, direct.output()[-3000:]
+    first_leader([mounted])
+    time.sleep(1.0)
+    stop_all([mounted])
+
+    assert refused.wait(30) == 78, refused.output()[-3000:]
+    message = refused.output().strip().splitlines()[-1]
+    assert message.startswith(
+        f"scheduler-daemon: database_url: {alone} is a file mounted on its own"
+    ), message
+    assert "Mount the directory that holds it instead" in message
+    summary = assert_no_overlap(python_ticks(probe_log), min_ticks=4, min_instances=2)
+    print(f"\nbind-mounted directory: runs per instance {summary['plugin']}")
 
 
 def test_lock_path_names_the_sidecar_of_the_real_file(tmp_path: Path) -> None:
@@ -345,6 +550,25 @@ def test_a_database_on_a_network_filesystem_is_refused_in_one_line(tmp_path: Pat
         check_database_file(tmp_path / "link" / "d" / "scheduler.db", mounts=mounts)
     local = parse_mountinfo("27 1 254:0 / / rw - ext4 /dev/vda rw\n")
     assert check_database_file(database, mounts=local) == real_path(database)
+
+
+def test_a_database_file_mounted_on_its_own_is_refused(tmp_path: Path) -> None:
+    database = tmp_path / "scheduler.db"
+    database.touch()
+    escaped = str(real_path(tmp_path)).replace(" ", "\\040")
+    root = "27 1 254:0 / / rw - ext4 /dev/vda rw\n"
+    file_mount = parse_mountinfo(
+        f"{root}91 27 254:0 /srv/x.db {escaped}/scheduler.db rw - ext4 /dev/vda rw\n"
+    )
+    with pytest.raises(ConfigError) as refused:
+        check_database_file(database, mounts=file_mount)
+    message = str(refused.value)
+    assert message.startswith(f"database_url: {database} is a file mounted on its own")
+    assert "-wal and -shm" in message
+    assert "Mount the directory that holds it instead" in message
+    # Its directory mounted (what the message advises) is fine.
+    directory_mount = parse_mountinfo(f"{root}92 27 254:0 /srv {escaped} rw - ext4 /dev/vda rw\n")
+    assert check_database_file(database, mounts=directory_mount) == real_path(database)
 
 
 def test_this_hosts_mount_table_is_read() -> None:

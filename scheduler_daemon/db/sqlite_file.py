@@ -1,17 +1,25 @@
 """The SQLite database file: which real file a configured path names, and whether it is safe.
 
-Leadership on SQLite is an ``flock`` on a sidecar file next to the database, so every
-process must derive the same sidecar from the same database, whatever path it was given:
-:func:`real_path` resolves symlinks (to the file and to any directory on the way). Two
-setups cannot be made safe that way, and :func:`check_database_file` refuses them:
+Leadership on SQLite locks the database file itself and a sidecar next to it (see
+leadership/sqlite_flock.py), so every process must derive the same sidecar from the same
+database, whatever path it was given: :func:`real_path` resolves symlinks (to the file and
+to any directory on the way). Three setups cannot be made safe that way, and
+:func:`check_database_file` refuses them:
 
 - **a hard-linked file** (``st_nlink > 1``): SQLite keeps its ``-wal`` and ``-shm`` files
   per *path*, so processes opening two links of one file do not even see each other's
   writes; their sidecars would differ too.
+- **a file mounted on its own** (a bind mount of the file, a one-file container volume):
+  the same split of ``-wal`` and ``-shm``, between the mount point and the file's own
+  directory. Found from ``/proc/self/mountinfo``, where the file is a mount point.
 - **a network filesystem** (NFS, CIFS/SMB, 9p, sshfs, Ceph, GlusterFS, Lustre, AFS, …):
   ``flock`` there is not reliable across hosts, and SQLite's WAL needs memory shared by
   every process on the file. Found from ``/proc/self/mountinfo`` (Linux only; elsewhere
-  the check is skipped).
+  the mount checks are skipped).
+
+A running daemon compares the file its configured path names with the one it opened
+(:func:`path_identity`, :func:`descriptor_identity`): a file renamed, removed or replaced
+under it is noticed, since all of the above was checked only at startup.
 """
 
 from __future__ import annotations
@@ -45,6 +53,10 @@ NETWORK_FUSE = frozenset(
 _ESCAPE = re.compile(r"\\([0-7]{3})")
 
 
+# (device, inode): what makes two paths, or a path and a descriptor, one file.
+FileIdentity = tuple[int, int]
+
+
 @dataclass(frozen=True, slots=True)
 class Mount:
     mount_point: str
@@ -61,9 +73,23 @@ def real_path(path: Path) -> Path:
     return Path(os.path.realpath(path))
 
 
+def path_identity(path: Path) -> FileIdentity | None:
+    """The file `path` names now (symlinks followed); None if it names none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def descriptor_identity(fd: int) -> FileIdentity:
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino)
+
+
 def check_database_file(path: Path, *, mounts: Sequence[Mount] | None = None) -> Path:
-    """The real path of the database at `path`; :class:`ConfigError` if it is hard-linked
-    or on a network filesystem.
+    """The real path of the database at `path`; :class:`ConfigError` if it is hard-linked,
+    mounted on its own or on a network filesystem.
 
     `mounts` defaults to this process's mount table (Linux), or no check elsewhere.
     """
@@ -89,6 +115,13 @@ def check_database_file(path: Path, *, mounts: Sequence[Mount] | None = None) ->
             f"{mount.mount_point}), where flock does not exclude processes on other hosts "
             "and SQLite's WAL does not work. Put the database on a local filesystem, or "
             "use PostgreSQL to run replicas on several hosts."
+        )
+    if mount is not None and mount.mount_point == str(real):
+        raise ConfigError(
+            f"database_url: {shown} is a file mounted on its own (a bind mount of the file, "
+            "a one-file volume); SQLite keeps its -wal and -shm files next to the path it "
+            "opened, so they would not be shared with processes using the file through its "
+            "own directory, nor kept with it. Mount the directory that holds it instead."
         )
     return real
 

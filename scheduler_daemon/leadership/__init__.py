@@ -10,7 +10,6 @@ See docs/leadership.md for the failure matrix and the timing arithmetic.
 from __future__ import annotations
 
 import asyncio
-import os
 
 from ..config import Settings
 from ..db.base import Store
@@ -47,9 +46,10 @@ def make_guard(
         from .sqlite_flock import FlockGuard
 
         guard = FlockGuard(loop, key, store, settings, log, metrics, stop, schema)
-        # Now, at startup: a lock file we cannot open is exit 78 naming it, not a loop
-        # retrying for ever.
-        os.close(guard.open_lock_file())
+        # Now, at startup: a lock file or database file we cannot open is exit 78 naming
+        # it, not a loop retrying for ever. The database file stays open (never close a
+        # descriptor of it: that would drop SQLite's own locks in this process).
+        guard.open_files()
         return guard
     assert isinstance(store, PostgresStore)
     if settings.lock.mode == "transaction":
