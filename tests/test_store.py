@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
+from rig.databases import replace_host_port
+from rig.tcpproxy import TcpProxy
 
 from scheduler_daemon.client import Client
 from scheduler_daemon.config import Settings
@@ -153,6 +157,29 @@ async def test_every_session_asks_the_server_to_notice_a_vanished_client(pg_url:
             await dedicated.close()
     finally:
         await store.close()
+
+
+@pytest.mark.postgres
+async def test_closing_the_store_behind_a_cut_network_takes_connect_timeout_at_most(
+    pg_url: str, tcp_proxy_factory: Callable[[str, int], TcpProxy]
+) -> None:
+    """A graceful close waits for the server to hang up on each pooled connection; behind
+    a cut network it waited until the kernel gave up on the sockets (a replica SIGTERMed
+    while partitioned exited 11 s after SIGTERM, shutdown_timeout 5 s). Now the close is
+    bounded by database.connect_timeout, then the connections are dropped."""
+    parts = urlsplit(pg_url)
+    proxy = tcp_proxy_factory(parts.hostname or "127.0.0.1", parts.port or 5432)
+    settings = Settings(
+        database_url=replace_host_port(pg_url, "127.0.0.1", proxy.port),
+        database={"connect_timeout": 1, "pool_min_size": 2},
+    )
+    store = await open_store(settings)
+    async with store.pool.acquire() as conn:  # type: ignore[attr-defined]
+        await conn.fetchval("SELECT 1")
+    proxy.freeze()
+    started = time.monotonic()
+    await asyncio.wait_for(store.close(), 30)
+    assert time.monotonic() - started < 1 + 2  # connect_timeout, and slack
 
 
 @pytest.mark.postgres

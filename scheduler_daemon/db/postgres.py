@@ -423,4 +423,12 @@ class PostgresStore:
             yield PgTx(conn)
 
     async def close(self) -> None:
-        await self.pool.close()
+        # A graceful close says goodbye on every connection and waits for the server to
+        # hang up; behind a cut network that wait lasts until the kernel gives up on the
+        # socket, long after the daemon reported itself stopped. The server notices a
+        # dropped connection by itself (keepalive), and nothing is in flight by now.
+        try:
+            async with asyncio.timeout(self.settings.database.connect_timeout):
+                await self.pool.close()
+        except TimeoutError:
+            self.pool.terminate()
