@@ -14,6 +14,7 @@ import asyncpg
 import pytest
 
 from scheduler_daemon.config import Settings
+from scheduler_daemon.errors import EXIT_CONFIG, ConfigError, DatabaseUnavailable
 from scheduler_daemon.leadership.base import LeaseState, Stopping
 from scheduler_daemon.logs import get_logger
 from scheduler_daemon.loops.base import LoopRunner, ServiceCrashed, Tick
@@ -116,3 +117,17 @@ async def test_a_service_stopped_with_its_leadership_is_no_crash() -> None:
     lease.lose("lock connection closed", gone=True)
     await lease.stop_work()
     assert lease.crashed is None
+
+
+async def test_an_explained_refusal_ends_the_loop_with_its_own_exit_code() -> None:
+    """A guard that refuses to lead for a reason it explains (a SQLite file renamed under
+    the leader): the loop ends at once, and the daemon exits with that error's code (78),
+    not 70; a database that cannot be reached is retried instead, as any database error."""
+    stop = asyncio.Event()
+    refused = ConfigError("database_url names another file than the one this process locked")
+    unavailable = DatabaseUnavailable("database unreachable")
+    guard = Guard(stop, unavailable, refused)
+    with pytest.raises(ConfigError) as error:
+        await asyncio.wait_for(runner(Work(), guard, stop).run(), 10)
+    assert error.value.exit_code == EXIT_CONFIG
+    assert guard.attempts == 2

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from ..aio import wait_any
 from ..db.connect import Backoff, is_database_error
-from ..errors import describe
+from ..errors import SchedulerError, describe
 from ..leadership import Guard, LeadershipLost, Lease, NotLeader, Stopping
 from ..logs import Logger
 from ..metrics import Metrics
@@ -134,6 +134,11 @@ class LoopRunner:
             except LeadershipLost as lost:
                 self.log.warning("leader.stepped_down", reason=lost.reason)
             except Exception as exc:
+                if isinstance(exc, SchedulerError) and not is_database_error(exc):
+                    # Explained in one line (a SQLite file renamed under us): the loop
+                    # ends, the daemon exits with its code.
+                    self.log.error("loop.crashed", error=describe(exc))
+                    raise
                 if isinstance(exc, ServiceCrashed) or not is_database_error(exc):
                     # A bug, in the guard or in the work's hand-over: retrying would only
                     # hide it. The loop dies, the daemon exits 70 (its locks go with the
