@@ -131,3 +131,24 @@ async def test_an_explained_refusal_ends_the_loop_with_its_own_exit_code() -> No
         await asyncio.wait_for(runner(Work(), guard, stop).run(), 10)
     assert error.value.exit_code == EXIT_CONFIG
     assert guard.attempts == 2
+
+
+async def test_a_graceful_stop_cancels_services_without_calling_it_a_crash() -> None:
+    """The stop cancels the webhook deliverer with the leadership: no crash, no loss, a
+    graceful hand-over (a crash reported here made every rolling restart exit 70 and drop
+    the lock connection instead of unlocking)."""
+    stop = asyncio.Event()
+    guard = Guard(stop)
+    leases: list[LeaseState] = []
+
+    def on_tick(tick: Tick) -> None:
+        if not leases:
+            leases.append(tick.lease)  # type: ignore[arg-type]
+            tick.lease.spawn(asyncio.Event().wait(), name="publish:webhooks", service=True)
+            asyncio.get_running_loop().call_later(0.2, stop.set)
+
+    work = Work(on_tick)
+    await asyncio.wait_for(runner(work, guard, stop).run(), 10)
+    assert work.ended == [True]
+    assert leases[0].crashed is None
+    assert not leases[0].lost.is_set()

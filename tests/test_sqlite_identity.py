@@ -15,6 +15,8 @@ probe's runs record outside the database.
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import fcntl
 import os
 import shutil
@@ -39,6 +41,8 @@ from rig.ticks import (
     wait_for_event,
 )
 
+from scheduler_daemon.config import Settings
+from scheduler_daemon.db.sqlite import SqliteStore
 from scheduler_daemon.db.sqlite_file import (
     Mount,
     check_database_file,
@@ -49,7 +53,10 @@ from scheduler_daemon.db.sqlite_file import (
     system_mounts,
 )
 from scheduler_daemon.errors import ConfigError
-from scheduler_daemon.leadership.sqlite_flock import DATABASE_LOCK_BYTES, lock_path
+from scheduler_daemon.leadership.sqlite_flock import DATABASE_LOCK_BYTES, FlockGuard, lock_path
+from scheduler_daemon.logs import get_logger
+from scheduler_daemon.metrics import Metrics
+from scheduler_daemon.schema_gate import SchemaGate
 
 
 def _url(path: Path) -> str:
@@ -579,3 +586,28 @@ def test_this_hosts_mount_table_is_read() -> None:
     root = mount_containing(mounts, Path("/"))
     assert root is not None
     assert root.mount_point == "/"
+
+
+@pytest.mark.parametrize(
+    ("code", "refused"), [(errno.EACCES, True), (errno.EISDIR, True), (errno.EMFILE, False),
+                          (errno.ENOSPC, False), (errno.EIO, False)],
+)  # fmt: skip
+def test_a_lock_file_that_cannot_be_opened_now_is_retried_one_never_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, refused: bool
+) -> None:
+    """Opening the lock file at a standby's try: a permission or a directory in its place
+    is for good (exit 78, naming the path); out of descriptors, a full disk or an I/O
+    error may pass, so the loop retries as for database trouble (exit 78 would also keep
+    systemd from restarting it: RestartPreventExitStatus=78)."""
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'db.sqlite'}")
+    guard = FlockGuard("plugin", 1, SqliteStore.__new__(SqliteStore), settings, get_logger(),
+                       Metrics(), asyncio.Event(), SchemaGate("sqlite"))  # fmt: skip
+
+    def fail(*args: object, **kwargs: object) -> int:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "open", fail)
+    expected = ConfigError if refused else OSError
+    with pytest.raises(expected) as error:
+        guard._open(tmp_path / "x.lock", "lock file", os.O_CREAT)
+    assert isinstance(error.value, ConfigError) == refused

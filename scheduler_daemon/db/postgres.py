@@ -184,16 +184,24 @@ async def ask_between_statements(
 
     For a lock held by a connection that work may leave waiting: talking on it whenever
     it is quiet keeps the server's idle timeouts for the frozen replica they exist for."""
-    if not conn_lock.locked():
+    if _free(conn_lock):
         async with conn_lock:  # taken at once: nothing ran since it was seen free
             return await conn.fetchval(query, *args)
-    if gate.locked():
+    if not _free(gate):
         return None
     async with gate:
         try:
             return await conn.fetchval(query, *args)
         except asyncpg.InFailedSQLTransactionError:
             return None
+
+
+def _free(lock: asyncio.Lock) -> bool:
+    """Whether ``lock`` can be taken without waiting. Not just ``not locked()``: a lock
+    just released to a waiter that has not run yet reads unlocked, and ``acquire()``
+    queues behind that waiter, for as long as its work takes."""
+    waiters = getattr(lock, "_waiters", None) or ()
+    return not lock.locked() and all(waiter.cancelled() for waiter in waiters)
 
 
 def _held(gate: asyncio.Lock | None) -> contextlib.AbstractAsyncContextManager[Any]:

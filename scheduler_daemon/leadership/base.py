@@ -252,6 +252,8 @@ class LeaseState:
         self._on_lost = on_lost  # the guard's report (log line, metric), once
         self._work: set[asyncio.Task[Any]] = set()
         self.crashed: BaseException | None = None
+        # The heartbeat's proof in flight, and when it was asked.
+        self.proof: tuple[float, asyncio.Future[bool]] | None = None
 
     def lose(self, reason: str, *, gone: bool) -> bool:
         """Mark leadership lost and cancel its work. ``gone``: the lock may be free already
@@ -272,12 +274,25 @@ class LeaseState:
     def fresh(self) -> bool:
         if self.lost.is_set():
             return False
-        silent_for = time.monotonic() - self.last_proven
-        if silent_for <= self.settings.lock.step_down_after:
+        bound = self.settings.lock.step_down_after
+        now = time.monotonic()
+        if now - self.last_proven <= bound:
             return True
+        if self.proof is not None:
+            sent, proof = self.proof
+            if not proof.done():
+                # Asked and not answered yet: not fresh, but whether the network or the
+                # process failed is the heartbeat's to say, when its wait for it ends.
+                return False
+            if not proof.cancelled() and proof.exception() is None and proof.result():
+                # Answered while our event loop was busy elsewhere, not yet taken in by
+                # the heartbeat: it counts as of when it was asked, as there.
+                self.last_proven = max(self.last_proven, sent)
+                if now - self.last_proven <= bound:
+                    return True
         # The heartbeat would conclude the same when its own timer runs; whoever asks
         # first concludes it, so that nothing else of the lease runs on meanwhile.
-        self.lose(stalled(silent_for), gone=True)
+        self.lose(stalled(now - self.last_proven), gone=True)
         return False
 
     def spawn(
@@ -293,7 +308,9 @@ class LeaseState:
         return task
 
     def _service_ended(self, task: asyncio.Task[Any]) -> None:
-        error = None if task.cancelled() else task.exception()
+        if task.cancelled():
+            return  # stopped: only the leadership's end (or the loop's) cancels a service
+        error = task.exception()
         if self.lost.is_set() and (error is None or isinstance(error, LeadershipLost)):
             return  # stopped with the leadership, as it should be
         if error is None:
@@ -414,9 +431,11 @@ async def heartbeat(
         sent = time.monotonic()
         answer_within = max(0.0, lease.last_proven + lease.settings.lock.step_down_after - sent)
         proof = asyncio.ensure_future(prove())
+        lease.proof = (sent, proof)
         try:
             await asyncio.wait({proof}, timeout=answer_within)
         finally:
+            lease.proof = None
             if not proof.done():
                 proof.cancel()
                 proof.add_done_callback(_discard_outcome)
@@ -433,7 +452,7 @@ async def heartbeat(
             return
         # As of when it was asked: an answer that arrives after a freeze proves nothing
         # about the freeze.
-        lease.last_proven = sent
+        lease.last_proven = max(lease.last_proven, sent)
 
 
 def stalled(silent_for: float) -> str:

@@ -202,9 +202,12 @@ class TransactionLease(LeaseState):
         try:
             async with hold, hold.statements() as tx:
                 yield tx
-        except asyncio.CancelledError:
+        except BaseException as exc:
+            # Our cancellation, or what replaced it on the way out (a savepoint's rollback
+            # on the closed connection raises the driver's error): the loss, unless
+            # someone else cancelled the tick too.
             if hold.cancelled_tick and task.uncancel() == 0:
-                raise LeadershipLost(hold.reason or "lost") from None
+                raise LeadershipLost(hold.reason or "lost") from exc
             raise
         finally:
             self._watched = None
@@ -294,9 +297,7 @@ class TransactionHold(LeaseState):
                 conn.execute("SELECT pg_advisory_xact_lock($1)", self.guard.key)
             )
             deadline = time.monotonic() + HANDOVER_QUEUE_TIMEOUT
-            while (
-                await tx.conn.fetchval(Q["lock_entry"], self.guard.key, self._backend) is not False
-            ):
+            while await _ask(tx, Q["lock_entry"], self.guard.key, self._backend) is not False:
                 if self._granted.done():
                     self._granted.result()  # an error; the lock cannot be granted meanwhile
                 if time.monotonic() > deadline:
@@ -347,15 +348,19 @@ class TransactionHold(LeaseState):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        # From here on a loss ends nothing the tick still runs: the tick is what ends it.
+        self._tick = None
         # Work first, lock last: the transaction (and the lock) ends after the work.
         try:
             await self.stop_work(unblock=self._terminate)
         finally:
-            if self._heartbeat is not None:
-                self._heartbeat.cancel()
-                await asyncio.wait({self._heartbeat})
-            commit = exc_type is None and not self.lost.is_set()
-            await self._close(commit=commit)
+            try:
+                if self._heartbeat is not None:
+                    self._heartbeat.cancel()
+                    await asyncio.wait({self._heartbeat})
+            finally:
+                commit = exc_type is None and not self.lost.is_set()
+                await self._close(commit=commit)
 
     def adopt(self, task: asyncio.Task[Any]) -> None:
         # The loop's lease stops its holds' work too, at the same time as the holds, so
@@ -427,8 +432,12 @@ class TransactionHold(LeaseState):
             yield tx
 
     async def _close(self, commit: bool) -> None:
+        """End the held transaction: commit (raising if it did not commit: what the hold
+        recorded is not there), or roll back."""
         if not self._usable():
             self._conn = None  # closed: asyncpg's pool took it back already
+            if commit:
+                raise LeadershipLost("the hold's connection closed before it committed")
             return
         conn, self._conn = self._conn, None
         if self._on_closed is not None:
@@ -448,5 +457,15 @@ class TransactionHold(LeaseState):
         except Exception as exc:
             self.guard.log.warning("hold.end_failed", commit=commit, error=describe(exc))
             conn.terminate()  # the server rolls back; the pool replaces the connection
+            if commit:
+                raise
         finally:
             await self.guard.store.pool.release(conn, timeout=bound)
+
+
+async def _ask(tx: PgTx, query: str, *args: Any) -> Any:
+    """One value from ``tx``'s connection, between its statements (its gate, if any)."""
+    if tx.gate is None:
+        return await tx.conn.fetchval(query, *args)
+    async with tx.gate:
+        return await tx.conn.fetchval(query, *args)

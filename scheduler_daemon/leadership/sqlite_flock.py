@@ -33,6 +33,7 @@ watchdog (``WatchdogSec``) is what restarts such a process.
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import os
 import socket
@@ -86,6 +87,13 @@ def lock_byte(fd: int, offset: int, *, take: bool) -> bool:
     except (BlockingIOError, PermissionError):  # EAGAIN, or EACCES where POSIX allows it
         return False
     return True
+
+
+# Why an open is refused for good (exit 78, naming the path); any other error may pass.
+_REFUSED = {
+    errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG,
+    errno.ENOENT, errno.EROFS,
+}  # fmt: skip
 
 
 class FlockLease(LeaseState):
@@ -161,6 +169,8 @@ class FlockGuard(GuardBase[SqliteStore]):
             # O_CLOEXEC: a child process (a plugin's subprocess) must not inherit the lock.
             return os.open(path, os.O_RDWR | os.O_CLOEXEC | flags, 0o644)
         except OSError as exc:
+            if exc.errno not in _REFUSED:
+                raise  # out of descriptors, disk full, I/O: retried like database trouble
             raise ConfigError(
                 f"{what} {path} (for the {self.loop} loop): cannot open it for writing: "
                 f"{exc.strerror}; it must be a file this user (uid {os.geteuid()}) may read "

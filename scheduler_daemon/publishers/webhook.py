@@ -238,6 +238,9 @@ class WebhookDeliverer:
         posts = [held.spawn(self._post(session, row, held), name="webhook:post") for row in rows]
         await unless_set(asyncio.wait(posts), held.lost)
         if held.lost.is_set():
+            for post in posts:  # retrieved: the loss is the news (a stale _post raises it)
+                if post.done() and not post.cancelled():
+                    post.exception()
             raise LeadershipLost(held.reason or "lost")
         async with held.transaction() as tx:
             for row, post in zip(rows, posts, strict=True):
