@@ -23,14 +23,18 @@ The evidence is three views of the database and one of the world outside it:
 ``old - standby`` is the *lost window*: every commit the standby never received. With
 synchronous replication nothing acknowledged can be in it; with asynchronous replication
 it holds acknowledged commits, and every publication published twice, every schedule
-request lost, every plugin slot run twice and every reused fencing token must be
-explained by it, exactly. ``check_failover`` does that accounting; the test of each mode
-asserts what the mode promises.
+request lost and every plugin slot run twice must be explained by it, exactly.
+``check_failover`` does that accounting; the test of each mode asserts what the mode
+promises. Fencing tokens are promised in both modes: never handed out twice, and every
+token a new primary hands out is larger than every token of the old one, the tokens
+granted in the lost window included (the token's epoch grows with the timeline:
+docs/leadership.md, Fencing tokens). Every token drawn is in a ``leader.acquired`` line.
 
 ``make test`` runs one synchronous failover and one asynchronous one with the standby's
-link stalled before the crash (about 18 s with the two small tests at the end);
+link stalled before the crash and a change of leader in the lost window whose token a
+sequence alone would hand out again (about 18 s with the two small tests at the end);
 ``make chaos`` adds five failovers in a row per mode (the natural asynchronous window,
-under a burst of writes) and a fencing token handed out twice.
+under a burst of writes) and 50 asynchronous failovers with such a change of leader each.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from rig.effects import EFFECTS_TARGETS, EffectRun, check_effects, effects_env, 
 from rig.pgcluster import PgCluster, find_pg_bindir
 from rig.processes import DaemonProcess, Daemons, run_cli
 from rig.standby import Failover, ReplicatedCluster
-from rig.ticks import FAST_TIMINGS, RIG_APP
+from rig.ticks import FAST_TIMINGS, RIG_APP, event_time
 from rig.waiting import wait_until
 
 from scheduler_daemon.config import Settings
@@ -403,6 +407,9 @@ class Accounting:
     lost_claims_that_ran: list[tuple[str, str]] = field(default_factory=list)
     reused_token_runs: list[EffectRun] = field(default_factory=list)  # allowed regressions
     tokens_twice: list[tuple[str, int]] = field(default_factory=list)  # by two primaries
+    grants: Counter[str] = field(default_factory=Counter)  # loop -> tokens drawn
+    grants_twice: list[tuple[str, int]] = field(default_factory=list)  # (loop, token)
+    grants_not_above: list[str] = field(default_factory=list)  # a primary's token <= an older's
     burst_acked: int = 0  # rows the burst writers had confirmed
     burst_lost: list[float] = field(default_factory=list)  # acknowledged, s after the stop
     published: int = 0
@@ -421,6 +428,10 @@ class Accounting:
             f"{len(self.republished_rolled_back)} (batch rolled back); slots run twice "
             f"{len(self.slots_run_twice)}; tokens handed out twice {self.tokens_twice or 0}"
             + (f"; burst writes: {burst}" if self.burst_acked else "")
+            + f"; fencing tokens drawn {sum(self.grants.values())} ("
+            + ", ".join(f"{loop} {n}" for loop, n in sorted(self.grants.items()))
+            + f"), drawn twice {self.grants_twice or 0}, not above an older primary's "
+            f"{self.grants_not_above or 0}"
         )
 
 
@@ -548,7 +559,50 @@ def check_failover(run: Run) -> Accounting:
     lost_tokens = {(r.loop, r.token) for rs in by_timeline.values() for r in rs if r.run in reused}
     unexplained_tokens = [t for t in result.tokens_twice if t not in lost_tokens]
     assert unexplained_tokens == [], f"tokens handed out twice: {unexplained_tokens}"
+    _count_grants(run, result)
     return result
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A fencing token drawn: a replica's ``leader.acquired`` line."""
+
+    loop: str
+    token: int
+    at: float
+    instance: str
+
+
+def _count_grants(run: Run, result: Accounting) -> None:
+    """Every token drawn, from every replica's log (the lost windows' grants included: a
+    replica logs its grant once committed, on whichever primary): how many per loop, which
+    ones twice, and any primary that drew a token not above every token of the primaries
+    before it."""
+    grants = [
+        Grant(e["loop"], e["fencing_token"], event_time(e), name)
+        for name, process in run.replicas.items()
+        for e in process.log_events()
+        if e.get("event") == "leader.acquired"
+    ]
+    result.grants = Counter(g.loop for g in grants)
+    drawn = Counter((g.loop, g.token) for g in grants)
+    result.grants_twice = sorted(key for key, n in drawn.items() if n > 1)
+    for loop in sorted(result.grants):
+        highest: Grant | None = None  # of the primaries before
+        for index in range(len(run.timelines)):
+            mine = [
+                g for g in grants if g.loop == loop and _timeline_of(run.timelines, g.at) == index
+            ]
+            if not mine:
+                continue
+            lowest = min(mine, key=lambda g: g.token)
+            if highest is not None and lowest.token <= highest.token:
+                result.grants_not_above.append(
+                    f"{loop}: {lowest.instance} drew {lowest.token} on primary {index}, "
+                    f"{highest.instance} {highest.token} on an earlier one"
+                )
+            top = max(mine, key=lambda g: g.token)
+            highest = top if highest is None or top.token > highest.token else highest
 
 
 def _view(view: DbView | None) -> DbView:
@@ -672,6 +726,15 @@ def failover_run(
     return run, accounting, downtimes
 
 
+def assert_fencing_promises(accounting: Accounting) -> None:
+    """Both modes: no fencing token is handed out twice, and none goes backwards, however
+    much a failover lost; each primary's tokens are above every token of the ones before."""
+    assert accounting.grants_twice == [], "a fencing token was drawn twice"
+    assert accounting.grants_not_above == [], "a new primary's token was not above the old's"
+    assert accounting.tokens_twice == [], "work of two primaries ran under one token"
+    assert accounting.reused_token_runs == [], "a fencing token went backwards"
+
+
 def assert_synchronous_promises(accounting: Accounting) -> None:
     """Synchronous replication: nothing acknowledged is lost. What the lost window holds
     (if anything) were commits still waiting for the standby when the primary died,
@@ -680,8 +743,7 @@ def assert_synchronous_promises(accounting: Accounting) -> None:
     assert accounting.burst_lost == [], "acknowledged writes lost"
     assert accounting.lost_claims_that_ran == [], "a lost claim had run: it was acknowledged"
     assert accounting.slots_run_twice == [], "a plugin slot ran twice"
-    assert accounting.reused_token_runs == [], "a fencing token went backwards"
-    assert accounting.tokens_twice == [], "a fencing token was handed out twice"
+    assert_fencing_promises(accounting)
 
 
 @pytest.mark.parametrize("replicated", [SYNC], indirect=True)
@@ -701,14 +763,19 @@ def test_asynchronous_failover_loses_exactly_the_window(
 ) -> None:
     """~8 s: the standby's link stalls STALL_BEFORE_CRASH s before the crash; what the
     standby missed is lost (schedules acknowledged then), published again (flips made
-    then) or run again (the first slot claimed then), and nothing else is."""
+    then) or run again (the first slot claimed then), and nothing else is. The plugin loop
+    changes leader in the window, its token past the sequence's WAL log-ahead: the new
+    primary's sequence gives that value again, yet no token is handed out twice."""
     _, accounting, _ = failover_run(
-        replicated, daemons, tmp_path, failovers=1, stall=STALL_BEFORE_CRASH
-    )
+        replicated, daemons, tmp_path, failovers=1, stall=STALL_BEFORE_CRASH,
+        during_stall=hand_over_past_the_log_ahead,
+    )  # fmt: skip
     # The stall put acknowledged work in the window: the accounting had it to explain.
     assert accounting.lost_commits > 0
     assert accounting.acked_lost, "no acknowledged schedule in the window"
     assert accounting.republished_lost_flip, "no flip in the window"
+    assert "plugin" in accounting.lost_grants, "the change of leader was not in the window"
+    assert_fencing_promises(accounting)
 
 
 @pytest.mark.chaos_long
@@ -730,25 +797,35 @@ def test_asynchronous_failover_natural_window(
     """~25 s: five asynchronous failovers with nothing stalled, each under a burst of
     writes: the window is whatever the standby had not received when the primary died
     (measured and reported; the accounting still has to be exact)."""
-    failover_run(replicated, daemons, tmp_path, failovers=5, burst=1.0)
+    _, accounting, _ = failover_run(replicated, daemons, tmp_path, failovers=5, burst=1.0)
+    assert_fencing_promises(accounting)
 
 
-def hand_over_past_the_log_ahead(run: Run) -> None:
+def hand_over_past_the_log_ahead(run: Run, *, terminate: bool = False) -> None:
     """While the standby is held back: leave the plugin loop's fencing sequence no cached
-    value (as ``log_cnt`` more changes of leader would), then SIGTERM the plugin leader and
-    wait for its successor's first run. The successor's token is the first value past
+    value (as ``log_cnt`` more changes of leader would), then hand the plugin loop over
+    and wait for its successor's first run. The successor's draw is the first value past
     the sequence's WAL log-ahead: its sequence record is in the lost window, so the
-    standby's copy of the sequence has not reached it."""
+    standby's copy of the sequence has not reached it, and the next primary's sequence
+    gives the same value again (a token that was the sequence alone was handed out twice).
+
+    The hand-over: SIGTERM the leader, or (``terminate``) end its lock session, which
+    leaves the replica running, to stand by again (its successor waits its settle time)."""
     primary = run.cluster.primary_dsn(DBNAME)
-    leader = run_sync(
-        _fetch_value(primary, "SELECT instance FROM scheduler_leaders WHERE loop = 'plugin'")
+    leader, backend = run_sync(
+        _fetch_row(
+            primary, "SELECT instance, backend_pid FROM scheduler_leaders WHERE loop = 'plugin'"
+        )
     )
     cached = run_sync(_fetch_value(primary, "SELECT log_cnt FROM scheduler_fencing_plugin_seq"))
     burn = "SELECT count(nextval('scheduler_fencing_plugin_seq')) FROM generate_series(1, $1)"
     run_sync(_fetch_value(primary, burn, cached))
     handed_at = time.time()
-    run.replicas[leader].signal(signal.SIGTERM)
-    assert run.replicas[leader].wait(30) == 0
+    if terminate:
+        assert run_sync(_fetch_value(primary, "SELECT pg_terminate_backend($1)", backend))
+    else:
+        run.replicas[leader].signal(signal.SIGTERM)
+        assert run.replicas[leader].wait(30) == 0
 
     def successor_ran() -> bool:
         return any(
@@ -767,21 +844,35 @@ async def _fetch_value(dsn: str, sql: str, *args: Any) -> Any:
         await conn.close()
 
 
+async def _fetch_row(dsn: str, sql: str, *args: Any) -> tuple[Any, ...]:
+    conn = await asyncpg.connect(dsn, server_settings=RIG_APP)
+    try:
+        row = await conn.fetchrow(sql, *args)
+    finally:
+        await conn.close()
+    assert row is not None, sql
+    return tuple(row)
+
+
+FENCING_FAILOVERS = 50
+
+
 @pytest.mark.chaos_long
 @pytest.mark.parametrize("replicated", [ASYNC_STALLED], indirect=True)
-def test_asynchronous_failover_can_hand_a_fencing_token_out_twice(
+def test_fencing_tokens_never_repeat_across_asynchronous_failovers(
     replicated: ReplicatedCluster, daemons: Daemons, tmp_path: Path
 ) -> None:
-    """~12 s: a change of leader in the lost window, its token past the sequence's WAL
-    log-ahead (PostgreSQL logs a sequence 32 values ahead; without the burn, one change of
-    leader in 32 is that one): the next primary hands the same token out again, and the
-    accounting explains it. Never a token smaller than one the standby had seen."""
+    """~4-7 min: FENCING_FAILOVERS asynchronous failovers in a row, each with a change of
+    leader in its lost window whose token a sequence alone would hand out again (one
+    change of leader in 32 is such a one, without the burn). Never a token drawn twice,
+    and every primary's tokens above all the earlier ones'."""
     _, accounting, _ = failover_run(
-        replicated, daemons, tmp_path, failovers=1, stall=0.2, replicas=3,
-        during_stall=hand_over_past_the_log_ahead,
+        replicated, daemons, tmp_path, failovers=FENCING_FAILOVERS, stall=0.2, replicas=3,
+        during_stall=lambda run: hand_over_past_the_log_ahead(run, terminate=True),
+        steady=0.5,
     )  # fmt: skip
-    assert [loop for loop, _ in accounting.tokens_twice] == ["plugin"]
-    assert "plugin" in accounting.lost_grants
+    assert accounting.lost_grants.count("plugin") == FENCING_FAILOVERS
+    assert_fencing_promises(accounting)
 
 
 def test_check_config_takes_a_multi_host_dsn_and_hides_its_password() -> None:

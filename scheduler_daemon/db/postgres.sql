@@ -54,14 +54,47 @@ FROM scheduler_publications
 WHERE status = 'scheduled'
 
 -- name: fencing_next
--- A new leader's fencing token: larger than any before it for this loop. Run by the new
--- leader, holding the lock, in the transaction that records it as leader (in transaction
--- mode: every transaction that wins the lock). `previous` is the last committed one.
-WITH previous AS (SELECT token FROM scheduler_fencing WHERE loop = $1)
-INSERT INTO scheduler_fencing AS f (loop, token, instance)
-VALUES ($1, nextval(format('scheduler_fencing_%s_seq', $1::text)::regclass), $2)
+-- A new leader's fencing token: larger than any before it for this loop, and never handed
+-- out twice, not even across an asynchronous failover or a crash (migration 0007,
+-- docs/leadership.md). Run by the new leader, holding the lock, in the transaction that
+-- records it as leader (in transaction mode: every transaction that wins the lock).
+-- `previous` is the last committed one. token = epoch * 2^40 + counter, where
+-- - epoch grows by as much as the WAL timeline grew since the last token. A promotion
+--   increments the timeline, so the new primary's tokens are above every token of the
+--   old one, even those its standby never received. A timeline lower than the last
+--   token's is a new cluster counting from 1 again (pg_upgrade, a restore): the epoch
+--   grows by the whole timeline, never goes back. The timeline is the one WAL is written
+--   on, read from the current WAL file's name: pg_control_checkpoint() still shows the
+--   old timeline for as long as the first checkpoint after a promotion takes.
+-- - counter is the loop's sequence plus 256 per second from 2000-01-01 to the server's
+--   start (never less than under an earlier start), so a restarted server's tokens are
+--   above every token drawn before its crash, even one whose transaction was still open
+--   and whose sequence record was lost with it (unless the loop drew more than 256 tokens
+--   a second since the earlier start, or the server's clock went back).
+-- Both depend on the server and the last committed row only: a draw rolled back and drawn
+-- again gets the same epoch and offset, and the sequence never gives a value twice.
+WITH previous AS (
+    SELECT token, epoch, timeline, start_offset FROM scheduler_fencing WHERE loop = $1
+), server AS (
+    SELECT ('x' || left(pg_walfile_name(pg_current_wal_lsn()), 8))::bit(32)::bigint AS timeline,
+           (256 * extract(epoch FROM pg_postmaster_start_time() - timestamptz '2000-01-01Z'))::bigint
+               AS start_offset
+), drawn AS (
+    SELECT coalesce(p.epoch, p.token >> 40, 0) + CASE
+               WHEN p.timeline IS NULL THEN s.timeline  -- the first token drawn this way
+               WHEN s.timeline >= p.timeline THEN s.timeline - p.timeline
+               ELSE s.timeline END AS epoch,
+           s.timeline, greatest(s.start_offset, p.start_offset) AS start_offset
+    FROM server s LEFT JOIN previous p ON true
+)
+INSERT INTO scheduler_fencing AS f (loop, token, instance, epoch, timeline, start_offset)
+SELECT $1, (d.epoch << 40) + d.start_offset
+           + nextval(format('scheduler_fencing_%s_seq', $1::text)::regclass),
+       $2, d.epoch, d.timeline, d.start_offset
+FROM drawn d
 ON CONFLICT (loop) DO UPDATE SET
-    token = EXCLUDED.token, instance = EXCLUDED.instance, changed_at = now()
+    token = EXCLUDED.token, instance = EXCLUDED.instance, changed_at = now(),
+    epoch = EXCLUDED.epoch, timeline = EXCLUDED.timeline, start_offset = EXCLUDED.start_offset
 RETURNING token, (SELECT token FROM previous) AS previous
 
 -- name: leader_predecessor
