@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import random
 import signal
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -21,6 +23,7 @@ from pydantic import SecretStr
 from rig.processes import DaemonProcess, Daemons
 from rig.sql import afetch
 from rig.ticks import FAST_TIMINGS
+from rig.waiting import until
 
 from scheduler_daemon.config import DEFAULT_PUBLISH_KEY, WebhookPublisherSettings
 from scheduler_daemon.leadership import LeadershipLost
@@ -724,3 +727,49 @@ async def test_transaction_mode_a_lost_round_stops_its_posts_before_anyone_else_
     assert first.end - cut < 1.0  # cancelled with its hold, not after the 4 s hold
     assert all(row["status"] == "delivered" for row in outbox.values()), outbox
     check_one_replica_at_a_time(hook.calls)
+
+
+@pytest.mark.chaos_long  # `make test-long`: a measurement over several freezes
+@pytest.mark.postgres
+async def test_a_leader_resumed_after_eviction_sends_no_webhook(
+    daemons: Daemons, pg_url: str, hook_server: Serve
+) -> None:
+    """Session mode, publications due all along, the delivering leader SIGSTOPped at
+    random moments of its rounds (between selecting rows and POSTing them too), evicted,
+    replaced, then SIGCONTed. Its timers fire in deadline order on resume, possibly before
+    its heartbeat; every POST first asks the age of the last proof, so none of its
+    requests reaches the endpoint after it resumed. Every publication is delivered."""
+    hook = await hook_server(0.05, lambda call: 200)
+    replicas = [
+        daemons.start(hook_env(pg_url, hook, f"r{n}", SCHEDULER_PUBLISH__WEBHOOK__CONCURRENCY="4"),
+                      PUBLISH_ONLY, f"r{n}")
+        for n in (1, 2)
+    ]  # fmt: skip
+    ids = await schedule_due(pg_url, 400, spread=0.08)
+    resumed: list[tuple[str, float]] = []
+
+    async def delivered_since(since: float, by_other_than: str = "") -> bool:
+        return any(c.replica != by_other_than and c.start > since for c in hook.calls)
+
+    for _freeze in range(4):
+        await until(partial(delivered_since, 0.0), "a delivery", 30, every=0.01)
+        sender = hook.calls[-1].replica
+        victim = next(p for p in replicas if p.name == sender)
+        await asyncio.sleep(random.uniform(0.0, 0.2))
+        victim.signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        # Until the other replica delivers: it was granted the lock after the eviction.
+        await until(partial(delivered_since, stopped, sender), "a take-over", 30, every=0.02)
+        resumed.append((sender, time.monotonic()))
+        victim.signal(signal.SIGCONT)
+        await asyncio.sleep(1.0)
+    await outbox_settled(pg_url, ids, within=60)
+    await stop_replicas(replicas)
+    stale = [
+        (c.replica, round(c.start - at, 4))
+        for sender, at in resumed
+        for c in hook.calls
+        if c.replica == sender and at < c.start < at + 1.0
+    ]
+    print(f"\n{len(resumed)} freezes: POSTs by the resumed leader within 1 s of SIGCONT: {stale}")
+    assert stale == []
