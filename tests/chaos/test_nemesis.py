@@ -154,8 +154,8 @@ def test_the_soak_plans_every_kind_and_its_pairs() -> None:
     ("active", "new", "composes"),
     [
         # A link and a process are different things: any of each.
-        *((a, b, True) for a in LINK_FAULTS for b in PROCESS_FAULTS),
-        *((b, a, True) for a in LINK_FAULTS for b in PROCESS_FAULTS),
+        *((a, b, True) for a in sorted(LINK_FAULTS) for b in sorted(PROCESS_FAULTS)),
+        *((b, a, True) for a in sorted(LINK_FAULTS) for b in sorted(PROCESS_FAULTS)),
         # One link: the cut and the bad link are kept apart by the rig; two of one would
         # end each other early.
         ("partition", "netem", True),
@@ -167,7 +167,11 @@ def test_the_soak_plans_every_kind_and_its_pairs() -> None:
         ("sigstop", "sigterm", True),
         ("sigstop", "clock_skew", True),
         ("sigstop", "sigstop", False),
-        *((a, b, False) for a in ("sigkill", "sigterm", "clock_skew") for b in PROCESS_FAULTS),
+        *(
+            (a, b, False)
+            for a in ("sigkill", "sigterm", "clock_skew")
+            for b in sorted(PROCESS_FAULTS)
+        ),
     ],
 )
 def test_which_faults_may_hit_one_replica_at_once(
