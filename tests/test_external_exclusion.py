@@ -528,7 +528,10 @@ def test_sqlite_three_processes_never_overlap_outside_the_database(
 
 
 @pytest.mark.parametrize(
-    "mode", ["session", pytest.param("transaction", marks=pytest.mark.chaos_long)]
+    # Both in `make test-long`: the slow-publisher test and the chaos slice run Python
+    # publishers on several replicas, with external records, in `make test`.
+    "mode",
+    [pytest.param(m, marks=pytest.mark.chaos_long) for m in ("session", "transaction")],
 )
 def test_python_publishers_never_run_on_two_replicas_at_once(
     pg_url: str, daemons: Daemons, tmp_path: Path, mode: str

@@ -129,6 +129,7 @@ def first_leader_since(processes: list[DaemonProcess], since: float) -> DaemonPr
     raise AssertionError("nobody took over: " + "; ".join(p.output()[-500:] for p in processes))
 
 
+@pytest.mark.chaos_long  # no overlap, 5 replicas: the chaos slice shows it in `make test`
 def test_five_replicas_session_mode_never_overlap(pg_url: str, daemons: Daemons) -> None:
     run_sync(create_tick_log(pg_url))
     replicas = [
