@@ -164,25 +164,43 @@ class SessionLease(LeaseState):
         trips of a tick's eight. The transaction-level hold still keeps the lock ours until
         the commit, which still fails if the session is gone."""
         async with self.conn_lock:
+            self._closed_already()
             if self.lost.is_set():
                 raise LeadershipLost(self.reason or "lost")
-            async with gated_transaction(self.conn, self.gate, FENCED_ISOLATION):
-                sent = time.monotonic()
-                async with self.gate:
-                    fence = await self.conn.fetchrow(Q["fence_begin"], self.key)
-                if not fence["held"]:
-                    self._fence_broken("the lock connection no longer holds the lock")
-                self.last_proven = sent  # as good as a heartbeat
-                self.schema.check(fence["schema_version"], self.log, "fence")
-                if only_ours:
+            try:
+                async with self._fenced(only_ours) as tx:
+                    yield tx
+            except BaseException:
+                self._closed_already()  # the failure is the closed session showing
+                raise
+
+    def _closed_already(self) -> None:
+        """A lock connection found closed is a session, and a lock, that are over: said at
+        once, not when asyncpg's close callback runs (a connection that the server ended
+        can read closed for a while before it does, and a tick meanwhile fails on it)."""
+        if not self.lost.is_set() and self.conn.is_closed():
+            self.lose("lock connection closed", gone=True)
+
+    @asynccontextmanager
+    async def _fenced(self, only_ours: bool) -> AsyncIterator[PgTx]:
+        """The fenced transaction itself (see :meth:`transaction`)."""
+        async with gated_transaction(self.conn, self.gate, FENCED_ISOLATION):
+            sent = time.monotonic()
+            async with self.gate:
+                fence = await self.conn.fetchrow(Q["fence_begin"], self.key)
+            if not fence["held"]:
+                self._fence_broken("the lock connection no longer holds the lock")
+            self.last_proven = sent  # as good as a heartbeat
+            self.schema.check(fence["schema_version"], self.log, "fence")
+            if only_ours:
+                yield PgTx(self.conn, self.fencing_token, self.gate)
+                return
+            try:
+                async with gated_transaction(self.conn, self.gate):
                     yield PgTx(self.conn, self.fencing_token, self.gate)
-                    return
-                try:
-                    async with gated_transaction(self.conn, self.gate):
-                        yield PgTx(self.conn, self.fencing_token, self.gate)
-                finally:
-                    async with self.gate:
-                        await self._restore()
+            finally:
+                async with self.gate:
+                    await self._restore()
 
     async def _restore(self) -> None:
         if self.lost.is_set() or self.conn.is_closed():
