@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 import structlog
 
+from scheduler_daemon.config import LogSettings
 from scheduler_daemon.plugins.context import TaskContext
 from scheduler_daemon.plugins.worker import (
     WorkerFailed,
@@ -171,8 +172,7 @@ def make_job(
         slot=SLOT,
         instance="test-instance",
         fencing_token=7,
-        log_format="json",
-        log_level="info",
+        log=LogSettings(format="json", level="info"),
         log_context={**context, "instance": "test-instance", **bound},
     )
 
@@ -535,6 +535,7 @@ import sys
 from datetime import UTC, datetime
 
 import test_worker
+from scheduler_daemon.config import LogSettings
 from scheduler_daemon.plugins.worker import WorkerJob, Workers
 
 
@@ -549,8 +550,7 @@ async def main() -> None:
         slot=test_worker.SLOT,
         instance="parent-script",
         fencing_token=7,
-        log_format="auto",
-        log_level="info",
+        log=LogSettings(format="auto", level="info"),
         log_context={
             "task": "probe", "slot": test_worker.SLOT.isoformat(), "loop": "plugin",
             "tick": 1, "instance": "parent-script", "out": out,

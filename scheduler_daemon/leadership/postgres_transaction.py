@@ -297,7 +297,8 @@ class TransactionHold(LeaseState):
                 conn.execute("SELECT pg_advisory_xact_lock($1)", self.guard.key)
             )
             deadline = time.monotonic() + HANDOVER_QUEUE_TIMEOUT
-            while await _ask(tx, Q["lock_entry"], self.guard.key, self._backend) is not False:
+            waiting = [{"granted": False}]  # our backend's entry for the key, not granted
+            while await tx.fetch("lock_entry", self.guard.key, self._backend) != waiting:
                 if self._granted.done():
                     self._granted.result()  # an error; the lock cannot be granted meanwhile
                 if time.monotonic() > deadline:
@@ -461,11 +462,3 @@ class TransactionHold(LeaseState):
                 raise
         finally:
             await self.guard.store.pool.release(conn, timeout=bound)
-
-
-async def _ask(tx: PgTx, query: str, *args: Any) -> Any:
-    """One value from ``tx``'s connection, between its statements (its gate, if any)."""
-    if tx.gate is None:
-        return await tx.conn.fetchval(query, *args)
-    async with tx.gate:
-        return await tx.conn.fetchval(query, *args)

@@ -242,12 +242,16 @@ class FlockGuard(GuardBase[SqliteStore]):
         """The lock file now at :attr:`path`, opened (and created) again if the one we have
         open was removed or replaced."""
         fd = self._lock_file
-        if fd is not None and path_identity(self.path) == descriptor_identity(fd):
+        if fd is not None and self._still_at_path(fd):
             return fd
         fresh = self.open_lock_file()
         self._close_lock_file()
         self._lock_file = fresh
         return fresh
+
+    def _still_at_path(self, fd: int) -> bool:
+        """Whether the lock file open on ``fd`` is the one :attr:`path` names now."""
+        return path_identity(self.path) == descriptor_identity(fd)
 
     def _close_lock_file(self) -> None:
         if self._lock_file is not None:
@@ -295,11 +299,11 @@ class FlockGuard(GuardBase[SqliteStore]):
         opening the database's path anew are not kept out by the lock file: the next
         heartbeat tries again."""
         assert self._lock_file is not None
-        if path_identity(self.path) == descriptor_identity(self._lock_file):
+        if self._still_at_path(self._lock_file):
             return
         try:
             fresh = self.open_lock_file()
-        except ConfigError as exc:
+        except (ConfigError, OSError) as exc:  # OSError: one that may pass (EMFILE, ENOSPC)
             self.log.warning("leader.lock_file_lost", lock_file=str(self.path), error=str(exc))
             return
         if not _try_flock(fresh):

@@ -5,8 +5,9 @@ advisory locks are re-entrant within a session, so overlapping ticks of one proc
 both "hold" the lock). The sleep between ticks ends early on stop, on ``wake()``, or when
 leadership is lost. Database trouble never ends the loop: the runner steps down, backs
 off and competes again. Anything else that escapes the guard or the work's hand-over is a
-bug: the loop ends, and with it the daemon (exit 70). A schema newer than this build knows does end the competing: the
-runner hands over what it leads and waits for the stop, leading nothing (schema_gate.py).
+bug: the loop ends, and with it the daemon (exit 70). A schema newer than this build knows
+does end the competing: the runner hands over what it leads and waits for the stop,
+leading nothing (schema_gate.py).
 """
 
 from __future__ import annotations
@@ -134,16 +135,13 @@ class LoopRunner:
             except LeadershipLost as lost:
                 self.log.warning("leader.stepped_down", reason=lost.reason)
             except Exception as exc:
-                if isinstance(exc, SchedulerError) and not is_database_error(exc):
-                    # Explained in one line (a SQLite file renamed under us): the loop
-                    # ends, the daemon exits with its code.
-                    self.log.error("loop.crashed", error=describe(exc))
-                    raise
                 if isinstance(exc, ServiceCrashed) or not is_database_error(exc):
-                    # A bug, in the guard or in the work's hand-over: retrying would only
-                    # hide it. The loop dies, the daemon exits 70 (its locks go with the
-                    # process) and the supervisor starts it afresh.
-                    self.log.exception("loop.crashed", error=describe(exc))
+                    # Retrying would only hide it: the loop dies, and the daemon exits
+                    # (its locks go with the process) for the supervisor to start afresh.
+                    # A bug (exit 70) gets its traceback; an explained refusal (a SQLite
+                    # file renamed under us: ConfigError, exit 78) its one line.
+                    explained = isinstance(exc, SchedulerError)
+                    self.log.error("loop.crashed", error=describe(exc), exc_info=not explained)
                     raise
                 # The database is unreachable, restarting, refusing: compete again later.
                 self.log.warning("loop.db_error", error=describe(exc))

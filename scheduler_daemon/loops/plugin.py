@@ -684,9 +684,7 @@ class PluginWork:
                 slot=ctx.slot,
                 instance=ctx.instance,
                 fencing_token=ctx.fencing_token,
-                log_format=self.settings.log.format,
-                log_level=self.settings.log.level,
-                log_debug_libraries=self.settings.log.debug_libraries,
+                log=self.settings.log,
                 log_context=dict(structlog.get_context(log)),
                 args=spec.args,
             )

@@ -103,11 +103,9 @@ class WorkerJob:
     slot: datetime
     instance: str
     fencing_token: int
-    log_format: str  # LogSettings.format: "auto", "json", "console"
-    log_level: str
+    log: LogSettings  # the daemon's, so the worker logs the same way
     log_context: dict[str, Any] = field(default_factory=dict)  # bound on the ctx's logger
     args: dict[str, Any] = field(default_factory=dict)  # ctx.args
-    log_debug_libraries: bool = False  # LogSettings.debug_libraries
 
 
 def check_picklable(target: Callable[..., Any]) -> str | None:
@@ -585,16 +583,7 @@ def _worker_main(
 def _call(blob: bytes, cancelled: threading.Event) -> dict[str, Any]:
     try:
         job: WorkerJob = pickle.loads(blob)  # imports the target: may fail, reported
-        configure_logging(
-            LogSettings.model_validate(
-                {
-                    "format": job.log_format,
-                    "level": job.log_level,
-                    "debug_libraries": job.log_debug_libraries,
-                }
-            ),
-            instance=job.instance,
-        )
+        configure_logging(job.log, instance=job.instance)
         ctx = TaskContext(
             name=job.name,
             slot=job.slot,
