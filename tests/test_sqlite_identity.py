@@ -606,8 +606,15 @@ def test_a_lock_file_that_cannot_be_opened_now_is_retried_one_never_refused(
     def fail(*args: object, **kwargs: object) -> int:
         raise OSError(code, os.strerror(code))
 
+    # A leader whose lock file was removed, reopening it at its heartbeat, whatever the
+    # error: it logs and tries again at the next one (the heartbeat task must not die).
+    guard.store._file = tmp_path / "db.sqlite"  # type: ignore[attr-defined]
+    guard._lock_file = os.open(tmp_path / "removed.lock", os.O_RDWR | os.O_CREAT)
+
     monkeypatch.setattr(os, "open", fail)
     expected = ConfigError if refused else OSError
     with pytest.raises(expected) as error:
         guard._open(tmp_path / "x.lock", "lock file", os.O_CREAT)
     assert isinstance(error.value, ConfigError) == refused
+    guard._keep_lock_file()
+    os.close(guard._lock_file)
