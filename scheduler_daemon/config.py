@@ -136,6 +136,8 @@ LockKey = Annotated[int, BeforeValidator(parse_lock_key)]
 
 DEFAULT_PUBLISH_KEY = 0x9A37B7A1
 DEFAULT_PLUGIN_KEY = 0x7B9C5F3E
+# A member's lock packs the shard count beside its backend pid (leadership/shards.py).
+MAX_SHARDS = 1024
 
 
 class Section(BaseModel):
@@ -308,6 +310,14 @@ class PluginSettings(Section):
     # a row in the database.
     runnable: list[str] = Field(default_factory=list)
     tasks: list[PluginTaskSettings] = Field(default_factory=list)
+    # Sharded leadership (docs/leadership.md, "Shards"): every schedule belongs to one of
+    # this many shards (its name's hash), each led by one replica at a time; the replicas
+    # share them out. 1: one replica leads every schedule. Every replica must say the same
+    # (a replica with another count stands by until no replica of the first is left).
+    shards: int = Field(default=1, ge=1, le=MAX_SHARDS)
+    # A replica giving shards away (a replica joined) lets their runs in flight end for
+    # this long, then stops them; the next owner starts only after that.
+    handover_timeout: Duration = 10.0
 
     @field_validator("tasks")
     @classmethod
@@ -569,6 +579,23 @@ class Settings(BaseSettings):
     @classmethod
     def _no_nul(cls, value: Any) -> Any:
         return refuse_nul(value)
+
+    @model_validator(mode="after")
+    def _shards_need_session_mode(self) -> Settings:
+        if self.plugin.shards == 1:
+            return self
+        if self.database_url.backend != "postgres":
+            raise ValueError(
+                "plugin.shards: sharded leadership needs PostgreSQL (SQLite runs on one "
+                "host, where one replica leads every schedule); set it to 1"
+            )
+        if self.lock.mode != "session":
+            raise ValueError(
+                "plugin.shards: sharded leadership needs lock.mode 'session' (a replica "
+                "holds its shards' locks on its own session, which a transaction pooler "
+                "cannot keep); set it to 1, or use a direct or session-pooled connection"
+            )
+        return self
 
     @model_validator(mode="after")
     def _pool_fits_transaction_mode(self) -> Settings:

@@ -226,7 +226,7 @@ class Daemon:
             for name in self.enabled_loops():
                 self.metrics.prime_loop(name)
                 work, interval = self._build(name, store, listener)
-                guard = self._guard(name, store)
+                guard = self._guard(name, store, listener)
                 runners[name] = LoopRunner(
                     work, guard, interval, self.stopping, self.log, self.metrics, self.schema
                 )
@@ -285,7 +285,7 @@ class Daemon:
         line = f"leading {', '.join(leading)}"
         return f"{line}; standby for {', '.join(waiting)}" if waiting else line
 
-    def _guard(self, name: LoopName, store: db.Store) -> Guard:
+    def _guard(self, name: LoopName, store: db.Store, listener: Listener | None = None) -> Guard:
         return make_guard(
             name,
             self._lock_key(name),
@@ -295,6 +295,7 @@ class Daemon:
             self.metrics,
             self.stopping,
             self.schema,
+            listener,
         )
 
     def _lock_key(self, name: LoopName) -> int:

@@ -56,6 +56,25 @@ class Metrics:
             ["loop"],
             registry=r,
         )
+        self.shards_owned = Gauge(
+            "scheduler_shards_owned",
+            "Shards of the loop this replica leads (sharded leadership; 0 unsharded).",
+            ["loop"],
+            registry=r,
+        )
+        self.shard_members = Gauge(
+            "scheduler_shard_members",
+            "Replicas sharing the loop's shards, as this replica last saw the lock manager.",
+            ["loop"],
+            registry=r,
+        )
+        self.shard_changes = Counter(
+            "scheduler_shard_changes_total",
+            "Shards this replica took or gave up, by event (acquired, released, lost) and "
+            "reason (join, rebalance, member_gone, stopping, ...).",
+            ["loop", "event", "reason"],
+            registry=r,
+        )
         self.publications_published = Counter(
             "scheduler_publications_published_total", "Publications published.", registry=r
         )
@@ -100,6 +119,7 @@ class Metrics:
         ``scheduler_leader`` at all and "sum by (loop) == 0" alerts would see nothing.
         """
         self.leader.labels(loop).set(0)
+        self.shards_owned.labels(loop).set(0)
         for counter in (self.lock_waits, self.heartbeat_failures, self.evictions):
             counter.labels(loop)
         for result in ("ok", "skipped", "failed", "cancelled"):

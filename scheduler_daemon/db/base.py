@@ -128,6 +128,17 @@ class AppliedMigration:
     name: str
 
 
+@dataclass(frozen=True, slots=True)
+class ShardScope:
+    """The shards a sharded leader's transaction is fenced for: each with the fencing
+    token its owner drew when it took the shard (``tokens``), out of ``count`` shards. The
+    plugin loop's statements touch those shards' schedules only, and only while each
+    token is still its shard's current one (db/postgres.sql)."""
+
+    count: int
+    tokens: dict[int, int]
+
+
 class Tx(Protocol):
     """One open transaction, on the connection the leadership guard chose.
 
@@ -140,6 +151,9 @@ class Tx(Protocol):
     #: administrative transaction, outside any loop). Python publishers hand it to the
     #: systems they call, so that those can refuse a replaced leader.
     fencing_token: int | None
+    #: Sharded leadership: the shards this transaction is fenced for (None: not sharded,
+    #: every schedule is the leader's).
+    shards: ShardScope | None
 
     async def execute(self, sql: str, statement_timeout: float | None = None) -> None:
         """Run SQL (one or several statements, no parameters). ``statement_timeout`` replaces the

@@ -6,6 +6,10 @@ caller holds (a fenced one, for the loop), and returns dataclasses. A batch, wha
 size, is one statement on PostgreSQL: it travels as a JSON array of objects, which both
 backends unpack in SQL (``jsonb_to_recordset``, ``json_each``). Times in those arrays are
 spelled by :func:`~.common.to_db_time`, which both read and SQLite also compares.
+
+Sharded, the transaction's scope (``tx.shards``, set by the fence that opened it) limits
+every read and write of schedules and runs to the shards it holds, each checked against
+its current fencing token in the same statement.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class DueSchedule:
     next_run_at: datetime
     trigger_requested_at: datetime | None
     runtime: RuntimeDefinition | None  # None: a declared task (config, plugin, built-in)
+    shard: int | None = None  # sharded: the shard it belongs to
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +139,12 @@ class PluginStore:
 
     def __init__(self, tx: Tx) -> None:
         self.tx = tx
+        scope = tx.shards
+        # Every scoped statement takes both: owned NULL means every schedule.
+        self._scope: dict[str, Any] = {"owned": None, "k": 1}
+        if scope is not None:
+            owned = [{"shard": s, "token": t} for s, t in sorted(scope.tokens.items())]
+            self._scope = {"owned": json.dumps(owned), "k": scope.count}
 
     async def now(self) -> datetime:
         rows = await self.tx.query("now")
@@ -157,11 +168,11 @@ class PluginStore:
         await self.tx.query("plugin_runnable", targets=json.dumps(sorted(set(targets))))
 
     async def abandon(self, reason: str, keep: Sequence[int]) -> list[AbandonedRun]:
-        rows = await self.tx.query("plugin_abandon", reason=reason, keep=list(keep))
+        rows = await self.tx.query("plugin_abandon", reason=reason, keep=list(keep), **self._scope)
         return [AbandonedRun(row["name"], row["slot"], row["instance"]) for row in rows]
 
     async def due(self, limit: int) -> DueBatch:
-        rows = await self.tx.query("plugin_due", limit=limit)
+        rows = await self.tx.query("plugin_due", limit=limit, **self._scope)
         due: list[DueSchedule] = []
         now: datetime | None = None
         next_slot: datetime | None = None
@@ -183,7 +194,13 @@ class PluginStore:
                     jitter=row["jitter_seconds"],
                 )
             due.append(
-                DueSchedule(row["name"], row["next_run_at"], row["trigger_requested_at"], runtime)
+                DueSchedule(
+                    row["name"],
+                    row["next_run_at"],
+                    row["trigger_requested_at"],
+                    runtime,
+                    row.get("shard"),
+                )
             )
         assert now is not None  # the outlook row is always there
         return DueBatch(now=now, due=due, next_slot=next_slot)
@@ -200,7 +217,7 @@ class PluginStore:
             }
             for c in claims
         )
-        rows = await self.tx.query("plugin_claim", claims=payload, instance=instance)
+        rows = await self.tx.query("plugin_claim", claims=payload, instance=instance, **self._scope)
         return [ClaimedRun(row["id"], row["name"], row["slot"], row["status"]) for row in rows]
 
     async def refuse(self, refused: dict[str, str]) -> None:
@@ -220,7 +237,9 @@ class PluginStore:
             }
             for r in results
         )
-        rows = await self.tx.query("plugin_finish", results=payload, max_failures=max_failures)
+        rows = await self.tx.query(
+            "plugin_finish", results=payload, max_failures=max_failures, **self._scope
+        )
         return [
             FinishedSchedule(
                 row["name"], row["consecutive_failures"], bool(row["paused"]), row["run_count"]

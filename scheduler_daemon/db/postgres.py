@@ -29,6 +29,7 @@ from .base import (
     PublicationFilter,
     PublicationStats,
     ScheduleResult,
+    ShardScope,
 )
 from .common import explain_cancel_refusal
 from .privileges import refuse_missing_grants, refuse_unusable_schema
@@ -218,10 +219,12 @@ class PgTx:
         conn: asyncpg.Connection,
         fencing_token: int | None = None,
         gate: asyncio.Lock | None = None,
+        shards: ShardScope | None = None,
     ) -> None:
         self.conn = conn
         self.fencing_token = fencing_token
         self.gate = gate
+        self.shards = shards
 
     async def execute(self, sql: str, statement_timeout: float | None = None) -> None:
         async with _held(self.gate):

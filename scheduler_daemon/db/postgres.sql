@@ -73,6 +73,8 @@ WHERE status = 'scheduled'
 --   a second since the earlier start, or the server's clock went back).
 -- Both depend on the server and the last committed row only: a draw rolled back and drawn
 -- again gets the same epoch and offset, and the sequence never gives a value twice.
+-- A shard of a loop ('plugin/7') has a row of its own and draws from its loop's sequence:
+-- its tokens grow with every change of its owner, and no two owners share one.
 WITH previous AS (
     SELECT token, epoch, timeline, start_offset FROM scheduler_fencing WHERE loop = $1
 ), server AS (
@@ -89,7 +91,7 @@ WITH previous AS (
 )
 INSERT INTO scheduler_fencing AS f (loop, token, instance, epoch, timeline, start_offset)
 SELECT $1, (d.epoch << 40) + d.start_offset
-           + nextval(format('scheduler_fencing_%s_seq', $1::text)::regclass),
+           + nextval(format('scheduler_fencing_%s_seq', split_part($1::text, '/', 1))::regclass),
        $2, d.epoch, d.timeline, d.start_offset
 FROM drawn d
 ON CONFLICT (loop) DO UPDATE SET
@@ -111,6 +113,9 @@ LEFT JOIN scheduler_leaders p ON p.loop = $1 AND p.lock_key = $2
 -- many of them wait for advisory lock $2 (the one we hold): those stand by for the loop,
 -- so the instance's own leadership of it has ended. Its old lock session, which the
 -- server may still list a moment after freeing the lock, held the lock: it does not wait.
+-- A sharded member's watch (leadership/shards.py) does not count: it only waits for a
+-- lock, does no work, and outlives a killed process until the server next checks its
+-- socket.
 SELECT count(*) AS n,
        count(*) FILTER (WHERE EXISTS (
            SELECT 1 FROM pg_locks l
@@ -121,6 +126,7 @@ SELECT count(*) AS n,
              AND l.objid = ($2::bigint & 4294967295)::oid)) AS waiting
 FROM pg_stat_activity a
 WHERE left(a.application_name, length($1)) = $1 AND a.pid <> pg_backend_pid()
+  AND a.application_name NOT LIKE '%/watch:%'
 
 -- name: leader_claim
 -- Run on the lock connection right after the lock is granted.
@@ -234,9 +240,141 @@ CROSS JOIN LATERAL (SELECT greatest(s.heartbeat_at,
          WHEN a.state = 'active' THEN now() ELSE a.state_change END) AS heartbeat_at) h
 ORDER BY s.loop
 
+-- Sharded leadership (leadership/shards.py). Its locks use the two-key advisory lock space
+-- (objsubid 2): shard s is (shard class, s); a member holds (member class, layout << 22 |
+-- its lock session's backend pid), so the lock manager alone lists the members, the
+-- shard count each was started with, and who holds which shard. Keys travel as bigint
+-- (oid values); each query casts them.
+
+-- name: shard_layouts
+-- Run by a joining member under the join gate: members started with another shard count
+-- (their layout differs from $2). Two counts at once would give one schedule two shards.
+SELECT count(*) AS others, min((l.objid::bigint >> 22) + 1) AS other_count
+FROM pg_locks l
+WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.classid = $1::bigint::oid AND (l.objid::bigint & 4194303) = l.pid
+  AND (l.objid::bigint >> 22) <> $2
+
+-- name: shard_members
+-- The members (kind 'member': its backend pid, application_name) and the shards' holders
+-- (kind 'shard': the shard, its holder's backend pid), straight from the lock manager. A
+-- member lock is counted only held by the session whose pid it names: a member watching
+-- another (leadership/shards.py) holds that one's lock for an instant after it died.
+SELECT 'member' AS kind, l.pid, a.application_name, NULL::int AS shard
+FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.classid = $1::bigint::oid AND (l.objid::bigint & 4194303) = l.pid
+  AND (l.objid::bigint >> 22) = $3
+UNION ALL
+SELECT 'shard', l.pid, NULL, l.objid::int
+FROM pg_locks l
+WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.classid = $2::bigint::oid AND l.objid::bigint < $4
+
+-- name: shard_member_state
+-- A sharded member's heartbeat: whether backend $1 still holds its member lock ($2, $3),
+-- which shards of class $4 it holds, and the members' pids (a change says: rebalance).
+-- Read-only, as lock_held.
+WITH mine AS (
+    SELECT l.classid::bigint AS classid, l.objid::bigint AS objid FROM pg_locks l
+    WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted AND l.pid = $1
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+)
+SELECT jsonb_build_object(
+    'member', EXISTS (SELECT 1 FROM mine WHERE classid = $2 AND objid = $3),
+    'shards', coalesce((SELECT jsonb_agg(objid ORDER BY objid) FROM mine
+                        WHERE classid = $4 AND objid < 4194304), '[]'::jsonb),
+    'members', coalesce((
+        SELECT jsonb_agg(l.pid ORDER BY l.pid) FROM pg_locks l
+        WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+          AND l.classid = $2::bigint::oid AND (l.objid::bigint & 4194303) = l.pid),
+        '[]'::jsonb))
+
+-- name: shard_fence_begin
+-- First statement of a sharded member's fenced transaction: the schema version, whether
+-- the session is still a member, and which of shards $4 it holds. Each of those, and the
+-- shared hold on the loop's own key ($5: it keeps a replica that leads unsharded out), is
+-- now held by the transaction too, so SQL run in it (pg_advisory_unlock_all()) cannot
+-- free any of them (as fence_begin).
+SELECT (SELECT max(version) FROM scheduler_schema_version) AS schema_version,
+       m.held AND pg_try_advisory_xact_lock($1::bigint::int, ($2 - (($2 >> 31) << 32))::int)
+           AND pg_try_advisory_xact_lock_shared($5) AS member,
+       ARRAY(SELECT s FROM unnest($4::int[]) AS s
+             WHERE EXISTS (SELECT 1 FROM pg_locks l
+                           WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+                             AND l.pid = pg_backend_pid() AND l.classid = $3::bigint::oid
+                             AND l.objid::bigint = s
+                             AND l.database = (SELECT oid FROM pg_database
+                                               WHERE datname = current_database()))
+               AND pg_try_advisory_xact_lock($3::bigint::int, s)
+             ORDER BY s) AS shards
+FROM (SELECT EXISTS (
+    SELECT 1 FROM pg_locks l
+    WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+      AND l.pid = pg_backend_pid() AND l.classid = $1::bigint::oid AND l.objid::bigint = $2
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+    AS held) m
+
+-- name: shard_fence_release
+-- Before a fenced transaction that ran user SQL ends (as fence_restore): drop one
+-- session-level hold of each of the member's locks; shard_fence_retake takes them again,
+-- at once (the transaction's own holds keep them meanwhile). False where SQL had
+-- released one already.
+SELECT bool_and(held) AS held FROM (
+    SELECT pg_advisory_unlock($1::bigint::int, ($2 - (($2 >> 31) << 32))::int) AS held
+    UNION ALL SELECT pg_advisory_unlock_shared($5)
+    UNION ALL SELECT pg_advisory_unlock($3::bigint::int, s) FROM unnest($4::int[]) AS s
+) u
+
+-- name: shard_fence_retake
+SELECT count(*) AS taken FROM (
+    SELECT pg_advisory_lock($1::bigint::int, ($2 - (($2 >> 31) << 32))::int)
+    UNION ALL SELECT pg_advisory_lock_shared($5)
+    UNION ALL SELECT pg_advisory_lock($3::bigint::int, s) FROM unnest($4::int[]) AS s
+) u
+
+-- name: shard_try_lock
+-- The shards of $2 this session could take now (class $1), each now held by it.
+SELECT array_agg(s ORDER BY s) AS taken FROM unnest($2::int[]) AS s
+WHERE pg_try_advisory_lock($1::bigint::int, s)
+
+-- name: shard_leaders_release
+-- A graceful hand-over of shards $1, committed before their locks are let go: the next
+-- owner finds no leader row, so it knows there is nobody to wait for.
+DELETE FROM scheduler_leaders
+WHERE loop = ANY(SELECT 'plugin/' || s FROM unnest($1::int[]) AS s)
+  AND backend_pid = pg_backend_pid()
+
+-- name: shard_unlock
+SELECT count(*) FILTER (WHERE pg_advisory_unlock($1::bigint::int, s)) AS released
+FROM unnest($2::int[]) AS s
+
+-- name: shard_owners
+-- `status`: who holds each shard of the plugin loop, with the leader row it wrote.
+SELECT l.objid::int AS shard, l.pid AS backend_pid, a.application_name,
+       s.instance, s.hostname, s.pid AS os_pid, s.acquired_at, s.fencing_token
+FROM pg_locks l
+JOIN pg_stat_activity a ON a.pid = l.pid
+LEFT JOIN scheduler_leaders s ON s.loop = 'plugin/' || l.objid AND s.backend_pid = l.pid
+WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.classid = $1::bigint::oid AND l.objid::bigint < $2
+ORDER BY l.objid
+
 -- Plugin loop (db/plugin_store.py calls these with named parameters, :name). Everything
 -- here runs inside the tick's fenced transaction. Batches arrive as JSON arrays of
 -- objects, one statement per batch whatever its size.
+--
+-- Sharded (plugin.shards > 1), a transaction is scoped to the shards its fence holds:
+-- :owned is a JSON array of {shard, token}, :k the shard count (NULL owned: every
+-- schedule, one leader). A schedule is in shard shard_hash % :k. Each statement that
+-- claims or records checks every shard's fencing token against scheduler_fencing (the
+-- shard's epoch, drawn by its owner when it took the shard): a statement of an owner that
+-- has been replaced does nothing for that shard, whatever its connection still holds.
 
 -- name: now
 SELECT now() AS now
@@ -310,9 +448,15 @@ ON CONFLICT (target) DO UPDATE SET updated_at = now()
 -- it can never record its result. Except the caller's own runs (:keep): after losing a
 -- hold, a replica may win the next tick while its runs of the lost hold are still being
 -- stopped; whichever other replica wins closes them, and waits for them to stop.
+WITH current_shards AS (
+    SELECT o.shard FROM jsonb_to_recordset(:owned::text::jsonb) AS o(shard int, token bigint)
+    JOIN scheduler_fencing f ON f.loop = 'plugin/' || o.shard AND f.token = o.token
+)
 UPDATE scheduler_plugin_runs
 SET status = 'abandoned', finished_at = now(), error = :reason
 WHERE status = 'running' AND NOT (id = ANY(:keep::bigint[]))
+  AND (:owned::text IS NULL
+       OR scheduler_shard_hash(name) % :k IN (SELECT shard FROM current_shards))
 RETURNING name, slot, instance
 
 -- name: plugin_due
@@ -321,18 +465,24 @@ RETURNING name, slot, instance
 -- rows. Always one
 -- row more: the outlook, with the database's now and the next slot to come, from the same
 -- index (kind 'outlook').
-WITH due AS (
+WITH owned AS (
+    SELECT o.shard FROM jsonb_to_recordset(:owned::text::jsonb) AS o(shard int, token bigint)
+),
+due AS (
     (SELECT name FROM scheduler_plugin_tasks
      WHERE active AND NOT paused AND next_run_at <= now()
+       AND (:owned::text IS NULL OR shard_hash % :k IN (SELECT shard FROM owned))
      ORDER BY next_run_at LIMIT :limit)
     UNION
     (SELECT name FROM scheduler_plugin_tasks
      WHERE active AND NOT paused AND trigger_requested_at IS NOT NULL
+       AND (:owned::text IS NULL OR shard_hash % :k IN (SELECT shard FROM owned))
      ORDER BY trigger_requested_at LIMIT :limit)
 )
 (SELECT 'due' AS kind, now() AS now, t.name, t.next_run_at, t.trigger_requested_at,
         t.target, t.args::text AS args, t.every_seconds, t.cron, t.timezone,
-        t.timeout_seconds, t.misfire, t.jitter_seconds
+        t.timeout_seconds, t.misfire, t.jitter_seconds,
+        CASE WHEN :owned::text IS NULL THEN NULL ELSE t.shard_hash % :k END AS shard
  FROM due JOIN scheduler_plugin_tasks t USING (name)
  ORDER BY least(t.next_run_at, t.trigger_requested_at), t.name
  LIMIT :limit)
@@ -340,8 +490,9 @@ UNION ALL
 SELECT 'outlook', now(), NULL,
        (SELECT next_run_at FROM scheduler_plugin_tasks
         WHERE active AND NOT paused AND next_run_at > now()
+          AND (:owned::text IS NULL OR shard_hash % :k IN (SELECT shard FROM owned))
         ORDER BY next_run_at LIMIT 1),
-       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: plugin_claim
 -- The whole batch in one statement: advance each schedule's next_run_at by compare-and-set
@@ -352,6 +503,10 @@ WITH claim AS (
     SELECT * FROM jsonb_to_recordset(:claims::text::jsonb)
         AS c(name text, seen_next timestamptz, next timestamptz, seen_trigger timestamptz,
              run_slot timestamptz, skip_slot timestamptz)
+),
+current_shards AS (  -- the shards whose token is still the caller's
+    SELECT o.shard FROM jsonb_to_recordset(:owned::text::jsonb) AS o(shard int, token bigint)
+    JOIN scheduler_fencing f ON f.loop = 'plugin/' || o.shard AND f.token = o.token
 ),
 advanced AS (
     UPDATE scheduler_plugin_tasks t
@@ -365,6 +520,7 @@ advanced AS (
         updated_at = now()
     FROM claim c
     WHERE t.name = c.name AND t.next_run_at = c.seen_next AND t.active AND NOT t.paused
+      AND (:owned::text IS NULL OR t.shard_hash % :k IN (SELECT shard FROM current_shards))
       -- Never past a run still `running` (the unique index would refuse the new one, and
       -- the slot would be lost): the schedule stays due until that run is closed.
       AND (c.run_slot IS NULL OR NOT EXISTS (
@@ -401,11 +557,17 @@ WITH result AS (
     SELECT * FROM jsonb_to_recordset(:results::text::jsonb)
         AS r(id bigint, status text, error text, finished_at timestamptz)
 ),
+current_shards AS (
+    SELECT o.shard FROM jsonb_to_recordset(:owned::text::jsonb) AS o(shard int, token bigint)
+    JOIN scheduler_fencing f ON f.loop = 'plugin/' || o.shard AND f.token = o.token
+),
 finished AS (
     UPDATE scheduler_plugin_runs p
     SET status = r.status, error = r.error, finished_at = r.finished_at
     FROM result r
     WHERE p.id = r.id AND p.status = 'running'
+      AND (:owned::text IS NULL
+           OR scheduler_shard_hash(p.name) % :k IN (SELECT shard FROM current_shards))
     RETURNING p.name, r.status, r.error, r.finished_at
 )
 UPDATE scheduler_plugin_tasks t

@@ -34,6 +34,7 @@ from .base import (
     PublicationFilter,
     PublicationStats,
     ScheduleResult,
+    ShardScope,
 )
 from .common import explain_cancel_refusal, to_db_time
 from .sqlfiles import migrations, queries
@@ -158,6 +159,7 @@ class SqliteTx:
     def __init__(self, conn: aiosqlite.Connection, fencing_token: int | None = None) -> None:
         self.conn = conn
         self.fencing_token = fencing_token
+        self.shards: ShardScope | None = None  # sharding is PostgreSQL's (config.py)
         self._savepoints = itertools.count()
 
     async def execute(self, sql: str, statement_timeout: float | None = None) -> None:

@@ -10,6 +10,7 @@ See docs/leadership.md for the failure matrix and the timing arithmetic.
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 from ..config import Settings
 from ..db.base import Store
@@ -17,6 +18,9 @@ from ..logs import Logger
 from ..metrics import Metrics
 from ..schema_gate import SchemaGate
 from .base import Guard, LeadershipLost, Lease, NotLeader, PendingHold, Stopping
+
+if TYPE_CHECKING:
+    from ..db.listen import Listener
 
 __all__ = [
     "Guard",
@@ -38,6 +42,7 @@ def make_guard(
     metrics: Metrics,
     stop: asyncio.Event,
     schema: SchemaGate,
+    listener: Listener | None = None,
 ) -> Guard:
     from ..db.postgres import PostgresStore
     from ..db.sqlite import SqliteStore
@@ -56,6 +61,12 @@ def make_guard(
         from .postgres_transaction import TransactionGuard
 
         return TransactionGuard(loop, key, store, settings, log, metrics, stop, schema)
+    if loop == "plugin" and settings.plugin.shards > 1:  # config.py: session mode only
+        from .shards import ShardedSessionGuard
+
+        return ShardedSessionGuard(
+            loop, key, store, settings, log, metrics, stop, schema, listener=listener
+        )
     from .postgres_session import SessionGuard
 
     return SessionGuard(loop, key, store, settings, log, metrics, stop, schema)

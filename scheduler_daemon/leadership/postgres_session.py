@@ -72,12 +72,13 @@ def session_keepalive_settings(settings: Settings) -> dict[str, str]:
 
 
 async def settle(
-    conn: asyncpg.Connection, predecessor: Any, key: int, settings: Settings
+    conn: asyncpg.Connection | asyncpg.Pool, predecessor: Any, key: int, settings: Settings
 ) -> dict[str, Any]:
     """Before a new leader does any work, make sure the previous one has stopped its own.
 
     ``predecessor`` is the ``scheduler_leaders`` row it left (None: it handed over), read
-    on ``conn``, the new leader's lock connection, which holds lock ``key``.
+    on ``conn``, the new leader's lock connection, which holds lock ``key`` (or the pool,
+    for a shard: who waits for ``key`` then tells nothing).
 
     A leader that did not hand over either died — then its sessions end with it, within
     milliseconds — or is alive and lost its lock to the server (an operator's

@@ -41,6 +41,7 @@ import asyncio
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, cast
@@ -48,6 +49,7 @@ from typing import TYPE_CHECKING, Any, cast
 import structlog
 
 from ..config import Settings
+from ..db.base import Tx
 from ..db.plugin_store import (
     Claim,
     Declaration,
@@ -68,6 +70,7 @@ from .base import LISTENING_MAX_SLEEP, Tick
 
 if TYPE_CHECKING:
     from ..db.listen import Listener
+    from ..leadership.shards import MemberLease, ShardLease
 
 ABANDONED = "abandoned: the replica running it lost the lock before it finished"
 # Sent by the scheduler_plugin_tasks triggers (migrations 0004, 0006) when a schedule
@@ -96,6 +99,7 @@ class Start:
     spec: TaskSpec
     slot: datetime
     run_id: int
+    shard: int | None = None  # sharded: the shard whose lease runs it
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +128,7 @@ class Clock:
 class TickPlan:
     claims: list[Claim] = field(default_factory=list)
     specs: dict[str, TaskSpec] = field(default_factory=dict)  # by name, for what runs
+    shards: dict[str, int | None] = field(default_factory=dict)  # by name, sharded
     refused: dict[str, str] = field(default_factory=dict)  # name -> why it cannot run
     misfired: list[tuple[str, datetime, datetime]] = field(default_factory=list)
     waiting: bool = False  # something due waits for a free place or a run's end
@@ -144,6 +149,10 @@ class PluginWork:
         sticky: bool,
         listener: Listener | None = None,
     ) -> None:
+        # Sharded leadership (leadership/shards.py): a tick's lease is the replica's
+        # membership, and it claims for the shards it holds; each shard's runs are the
+        # work of that shard's lease.
+        self.sharded = settings.plugin.shards > 1
         self.tasks = {spec.name: spec for spec in tasks}  # declared by the deployment
         self.runnable = dict(runnable)  # what runtime schedules may name
         self.settings = settings
@@ -177,7 +186,6 @@ class PluginWork:
 
     async def tick(self, tick: Tick) -> float | None:
         starts: list[Start] = []
-        hold: PendingHold | None = None
         spacing = self._last_tick + TICK_SPACING - time.monotonic()
         if spacing > 0:
             await asyncio.sleep(spacing)
@@ -188,10 +196,22 @@ class PluginWork:
                 await self.listener.subscribe(WAKE_CHANNEL, self._on_tasks_changed)
             else:
                 await self.listener.ensure()
+        taking_over = self._lease is not tick.lease
+        shards: list[ShardLease] = []
+        fence: AbstractAsyncContextManager[Tx]
+        if self.sharded:
+            member = cast("MemberLease", tick.lease)
+            member.wake_loop = self.wake  # a shard taken is claimed for at once
+            shards = member.active_shards()
+            if not shards and not taking_over:
+                return None  # nothing to lead yet; a shard taken wakes us
+            fence = member.fenced(shards, only_ours=True)
+        else:
+            fence = tick.lease.transaction(only_ours=True)
+        holds: list[tuple[Lease, PendingHold, list[Start]]] = []
         try:
-            async with tick.lease.transaction(only_ours=True) as tx:
+            async with fence as tx:
                 store = PluginStore(tx)
-                taking_over = self._lease is not tick.lease
                 if taking_over:
                     await self._take_over(store, tick.log)
                 # Whoever holds the lock knows that nothing executes the runs still marked
@@ -200,7 +220,8 @@ class PluginWork:
                 # its hold to the server and still be stopping them, the guard waited for
                 # it before this tick: see the guards' settle.)
                 orphans = dict(self._orphans)
-                if taking_over or not self.sticky or orphans:
+                new_shards = [s for s in shards if s.needs_abandon]
+                if taking_over or not self.sticky or orphans or new_shards:
                     await self._abandon(store, tick.log, orphans)
                 # Schedules in flight are read too (their slot is skipped as overlapping),
                 # and those whose result is not written yet (they wait for it).
@@ -224,19 +245,38 @@ class PluginWork:
                     starts = self._starts(plan_, claimed, tick.log)
                 self._report(batch, plan_, tick.log)
                 wake = self._next_wake(batch, plan_, limit)
-                if starts:
-                    hold = await tick.lease.hold_after(tx)
+                for lease, group in self._by_lease(tick.lease, shards, starts):
+                    holds.append((lease, await lease.hold_after(tx), group))
         except BaseException:
-            if hold is not None:
+            for _, hold, _ in holds:
                 await hold.discard()  # what it would have run was rolled back
             raise
         self._lease = tick.lease  # committed: reconciled, and its predecessors' runs closed
+        for shard in new_shards:
+            shard.needs_abandon = False
         for run_id, name in orphans.items():  # closed: their schedules may run again
             del self._orphans[run_id]
             self.unrecorded.discard(name)
-        if hold is not None:
-            self._start_batch(tick.lease, hold, starts, clock, tick.log)
+        for lease, hold, group in holds:
+            self._start_batch(lease, hold, group, clock, tick.log)
         return wake
+
+    @staticmethod
+    def _by_lease(
+        lease: Lease, shards: list[ShardLease], starts: list[Start]
+    ) -> list[tuple[Lease, list[Start]]]:
+        """The runs to start, by the lease that runs them: the tick's, or (sharded) each
+        one's shard's."""
+        if not starts:
+            return []
+        if not shards:
+            return [(lease, starts)]
+        by_shard = {shard.shard: shard for shard in shards}
+        groups: dict[int, list[Start]] = {}
+        for start in starts:
+            assert start.shard is not None  # a sharded tick's rows say their shard
+            groups.setdefault(start.shard, []).append(start)
+        return [(by_shard[shard], group) for shard, group in groups.items()]
 
     def _free(self) -> int:
         return self.settings.plugin.concurrency - len(self.running)
@@ -324,6 +364,7 @@ class PluginWork:
             )
             if run_slot is not None:
                 result.specs[due.name] = spec
+                result.shards[due.name] = due.shard
                 free -= 1
                 sync_free -= is_sync
         return result
@@ -346,7 +387,9 @@ class PluginWork:
                 # tick), or the slot was taken: nothing runs.
                 log.info("task.slot_taken", task=claim.name, slot=claim.run_slot.isoformat())
                 continue
-            starts.append(Start(plan_.specs[claim.name], claim.run_slot, run.id))
+            starts.append(
+                Start(plan_.specs[claim.name], claim.run_slot, run.id, plan_.shards[claim.name])
+            )
         return starts
 
     def _report(self, batch: DueBatch, plan_: TickPlan, log: Logger) -> None:
@@ -624,6 +667,8 @@ class PluginWork:
     async def _run(self, start: Start, hold: Lease, clock: Clock, log: Logger) -> Ended:
         spec = start.spec
         run_log = log.bind(task=spec.name, slot=start.slot.isoformat())
+        if start.shard is not None:
+            run_log = run_log.bind(shard=start.shard)
         ctx = TaskContext(
             name=spec.name,
             slot=start.slot,
@@ -631,6 +676,7 @@ class PluginWork:
             log=run_log,
             fencing_token=hold.fencing_token,
             args=spec.args,
+            shard=start.shard,
             lease=hold,
         )
         run_log.info("task.started", run_id=start.run_id, fencing_token=hold.fencing_token)
@@ -687,6 +733,7 @@ class PluginWork:
                 log=self.settings.log,
                 log_context=dict(structlog.get_context(log)),
                 args=spec.args,
+                shard=ctx.shard,
             )
             await self.workers.run(
                 job, gone=hold.gone, fresh=hold.fresh, grace=self.settings.lock.stop_grace

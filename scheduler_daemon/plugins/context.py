@@ -25,7 +25,9 @@ class TaskContext:
     - ``fencing_token``: the plugin loop's fencing token for the leadership running this
       slot. It grows with every change of leader, so a system this task calls can refuse
       a request carrying a smaller token than one it has already seen (a replaced leader
-      that has not noticed yet); see docs/leadership.md;
+      that has not noticed yet); see docs/leadership.md. Sharded, it is the shard's token:
+      compare it only with tokens of the same ``shard``;
+    - ``shard``: the shard this schedule belongs to (``plugin.shards`` > 1), else None;
     - ``log``: a structlog logger bound with ``task`` and ``slot``;
     - ``transaction()``: a fenced database transaction (it can only commit while this
       replica still leads the plugin loop); async targets only;
@@ -45,6 +47,7 @@ class TaskContext:
     log: Logger
     fencing_token: int
     args: dict[str, Any] = field(default_factory=dict)
+    shard: int | None = None
     lease: Lease | None = None  # None in a worker process
     cancelled: threading.Event = field(default_factory=threading.Event)
 

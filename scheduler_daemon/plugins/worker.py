@@ -106,6 +106,7 @@ class WorkerJob:
     log: LogSettings  # the daemon's, so the worker logs the same way
     log_context: dict[str, Any] = field(default_factory=dict)  # bound on the ctx's logger
     args: dict[str, Any] = field(default_factory=dict)  # ctx.args
+    shard: int | None = None  # ctx.shard
 
 
 def check_picklable(target: Callable[..., Any]) -> str | None:
@@ -591,6 +592,7 @@ def _call(blob: bytes, cancelled: threading.Event) -> dict[str, Any]:
             log=get_logger(**job.log_context),
             fencing_token=job.fencing_token,
             args=job.args,
+            shard=job.shard,
             lease=None,  # no fenced transaction outside the daemon's own connection
             cancelled=cancelled,
         )

@@ -1,0 +1,685 @@
+"""Sharded leadership of the plugin loop (``plugin.shards`` > 1; PostgreSQL session mode).
+
+Every schedule belongs to one of ``K`` shards (its row's ``shard_hash`` modulo K), and
+each shard is led by one replica at a time, which holds the shard's advisory lock on its
+lock session: the session mode guard's lock, one per shard, with nothing that expires. A
+replica's death ends its session, and all of its shards are free at once.
+
+Membership comes from the lock manager, not from rows with a TTL: a replica that shares
+the shards holds a *member lock* on its lock session (the two-key lock space: the member
+class, and ``(K - 1) << 22 | backend pid``), so ``pg_locks`` lists the members, the shard
+count each runs with, and who holds each shard. Joining happens under a gate (a
+transaction-level lock) that refuses a second shard count (two counts would give one
+schedule two shards) and a replica leading the loop unsharded: members also hold the
+loop's own key *shared*, which the unsharded guard takes exclusively.
+
+Every member computes the same assignment from the member list (assignment.py) and moves
+towards it: it takes the free shards assigned to it (``pg_try_advisory_lock``) and hands
+over those assigned elsewhere. A hand-over is the old owner's, end to end: it stops
+claiming the shard, lets its runs in flight end (``plugin.handover_timeout``, then stops
+them as a lost leadership would), writes their results, deletes its leader row, and only
+then unlocks. The next owner, granted the lock, draws the shard's fencing token, and waits
+for a predecessor that did not hand over (``settle``, as the session guard does).
+
+What makes a member look again: a NOTIFY on ``scheduler_shards_changed`` (sent by a member
+that joined, handed a shard over or left), the heartbeat seeing a different member list,
+and a *watch*: each member waits on a connection of its own for the member lock of the next
+member in pid order, which the server grants the moment that member's session ends, so
+the survivors hear of a death within milliseconds, not at a poll.
+
+A fenced transaction checks, in its first statement, the member lock and each shard it is
+for, and holds all of them at transaction level (as session mode's ``fence_begin``); then
+every claim and result statement checks each shard's fencing token against its current one
+(db/postgres.sql). docs/leadership.md has the guarantees and the failure matrix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import asyncpg
+
+from ..aio import wait_any
+from ..db.base import ShardScope
+from ..db.connect import is_database_error
+from ..db.postgres import (
+    FENCED_ISOLATION,
+    PgTx,
+    ask_between_statements,
+    detect_dead_peer,
+    gated_transaction,
+)
+from ..db.sqlfiles import queries
+from ..errors import describe
+from ..metrics import Metrics
+from .assignment import Member, assign
+from .base import LeadershipLost, LeaseState, Stopping, heartbeat
+from .postgres_session import SessionGuard, SessionLease, session_keepalive_settings, settle
+
+if TYPE_CHECKING:
+    from ..db.listen import Listener
+
+Q = queries("postgres")
+T = TypeVar("T")
+
+SHARDS_CHANNEL = "scheduler_shards_changed"
+NOTIFY = f"SELECT pg_notify('{SHARDS_CHANNEL}', $1)"  # the payload: why, for the logs
+_PID_BITS = 22  # Linux pids stay below 2^22 (pid_max's ceiling)
+_GATE = 2**31 - 1  # the join gate's key in the shard class (shards are < MAX_SHARDS)
+# While the assignment is not reached (a shard still held by its old owner, which sends
+# a NOTIFY when it lets go), look again this soon, then less often.
+RETRY_FIRST, RETRY_MAX = 0.2, 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class ShardKeys:
+    """The advisory lock keys of one sharded loop, derived from its own key."""
+
+    loop_key: int  # the loop's key (bigint space): members hold it shared
+    count: int
+
+    @property
+    def shard_class(self) -> int:
+        return self.loop_key % 2**31
+
+    @property
+    def member_class(self) -> int:
+        return self.shard_class ^ 2**30
+
+    def member_objid(self, backend_pid: int) -> int:
+        return (self.count - 1) << _PID_BITS | backend_pid
+
+    def lock_key(self, shard: int) -> int:
+        """The shard's lock as one bigint (scheduler_leaders.lock_key): class, then shard."""
+        return self.shard_class << 32 | shard
+
+
+def _signed(value: int) -> int:
+    """An oid-sized key as the int4 the two-key lock functions take."""
+    return value - 2**32 if value >= 2**31 else value
+
+
+def member_name(application_name: str) -> str:
+    """The instance id in a lock session's application_name (``scheduler-daemon/<id>/
+    lock:plugin``, cut at 63 bytes by the server: then as much of it as there is)."""
+    name = application_name.removeprefix("scheduler-daemon/")
+    head, sep, _ = name.rpartition("/lock:")
+    return head if sep else name
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """The members and the shards' holders, as the lock manager listed them."""
+
+    members: tuple[Member, ...]
+    holders: dict[int, int]  # shard -> backend pid
+
+
+class ShardLease(LeaseState):
+    """Leadership of one shard: its runs are its work, stopped when it is lost or handed
+    over; its fencing token is the shard's."""
+
+    def __init__(self, member: MemberLease, shard: int, token: int) -> None:
+        super().__init__(token, member.settings, member.log.bind(shard=shard), self._report)
+        self.member = member
+        self.shard = shard
+        self.acquired_at = time.monotonic()
+        self.draining = False  # being handed over: claim nothing more
+        self.unlocking = False  # its lock is being let go: the heartbeat must not judge it
+        self.needs_abandon = True  # runs its predecessor left `running` are closed first
+
+    def _report(self, reason: str, gone: bool) -> None:
+        self.member.shard_lost(self, reason, gone)
+
+    @property
+    def scope(self) -> ShardScope:
+        return ShardScope(self.member.keys.count, {self.shard: self.fencing_token})
+
+    def fresh(self) -> bool:
+        return not self.lost.is_set() and self.member.fresh()
+
+    def transaction(self, *, only_ours: bool = False) -> AbstractAsyncContextManager[PgTx]:
+        return self.member.fenced([self], only_ours=only_ours, require_all=True)
+
+    def spawn(
+        self, work: Coroutine[Any, Any, T], name: str, *, service: bool = False
+    ) -> asyncio.Task[T]:
+        task = super().spawn(work, name, service=service)
+        self.member.adopt(task)  # and the member's: its end stops everything
+        return task
+
+
+class MemberLease(SessionLease):
+    """A replica's membership of a sharded loop, on its lock session, and the shards it
+    leads. Ticks run under it, over its active shards; runs under their shard's lease."""
+
+    def __init__(self, *args: Any, keys: ShardKeys, metrics: Metrics, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.keys = keys
+        self.metrics = metrics
+        self.member_objid = keys.member_objid(self.backend_pid)
+        self.shards: dict[int, ShardLease] = {}
+        self.view: View | None = None
+        self.rebalance = asyncio.Event()  # look at the members again now
+        self.rebalance_reason: str | None = None  # what asked, when it says (the watch)
+        self.view_changed = asyncio.Event()  # for the watch: its member may have changed
+        # The plugin loop's wake-up (it sets this on its first tick): a shard taken
+        # is claimed for at once, not at the loop's next planned tick.
+        self.wake_loop: Callable[[], None] = lambda: None
+
+    def heard(self, payload: str) -> None:
+        """A NOTIFY from another member (or the listener reconnected: ``""``)."""
+        self.rebalance_reason = self.rebalance_reason or payload or None
+        self.rebalance.set()
+
+    def active_shards(self) -> list[ShardLease]:
+        """The shards a tick may claim for: held, not lost, not being handed over."""
+        return [s for s in self.shards.values() if not s.draining and not s.lost.is_set()]
+
+    def lose(self, reason: str, *, gone: bool) -> bool:
+        first = super().lose(reason, gone=gone)
+        for shard in list(self.shards.values()):
+            shard.lose(reason, gone=gone)
+        return first
+
+    def shard_lost(self, shard: ShardLease, reason: str, gone: bool) -> None:
+        if self.lost.is_set():
+            return  # the member's own loss is what gets reported
+        self.metrics.shard_changes.labels("plugin", "lost", "lost").inc()
+        shard.log.warning("shard.lost", reason=reason, lock_may_be_free=gone)
+        self.rebalance.set()  # its work stopped and its lock let go there
+
+    def transaction(  # type: ignore[override]  # a context manager, built another way
+        self, *, only_ours: bool = False
+    ) -> AbstractAsyncContextManager[PgTx]:
+        return self.fenced(self.active_shards(), only_ours=only_ours)
+
+    @asynccontextmanager
+    async def fenced(
+        self, shards: Sequence[ShardLease], *, only_ours: bool, require_all: bool = False
+    ) -> AsyncIterator[PgTx]:
+        """A transaction on the lock connection, fenced for ``shards`` (those of them the
+        session still holds: a shard found lost is lost from here on; ``require_all``: then
+        the transaction is refused). Its PgTx carries their scope, which the plugin
+        loop's statements keep to."""
+        async with self.conn_lock:
+            self._closed_already()
+            if self.lost.is_set():
+                raise LeadershipLost(self.reason or "lost")
+            try:
+                async with gated_transaction(self.conn, self.gate, FENCED_ISOLATION):
+                    # User SQL may run (a task's, not only_ours): then every lock of the
+                    # member is held by the transaction, not just these shards' (SQL that
+                    # unlocks everything must not free the others for a moment either).
+                    asked = [s.shard for s in shards]
+                    if not only_ours:
+                        asked = sorted(s.shard for s in self.shards.values() if not s.unlocking)
+                    sent = time.monotonic()
+                    async with self.gate:
+                        fence = await self.conn.fetchrow(
+                            Q["shard_fence_begin"], self.keys.member_class, self.member_objid,
+                            self.keys.shard_class, asked, self.key,
+                        )  # fmt: skip
+                    if not fence["member"]:
+                        self._fence_broken("the lock connection is no longer a member")
+                    self.last_proven = sent
+                    self.schema.check(fence["schema_version"], self.log, "fence")
+                    held = set(fence["shards"])
+                    for shard in shards:
+                        if shard.shard not in held:
+                            shard.lose("its shard lock is no longer held", gone=True)
+                    live = [s for s in shards if s.shard in held]
+                    if require_all and len(live) < len(shards):
+                        raise LeadershipLost("its shard lock is no longer held")
+                    scope = ShardScope(self.keys.count, {s.shard: s.fencing_token for s in live})
+                    token = live[0].fencing_token if len(live) == 1 else None
+                    tx = PgTx(self.conn, token, self.gate, scope)
+                    if only_ours:
+                        yield tx
+                        return
+                    try:
+                        async with gated_transaction(self.conn, self.gate):
+                            yield tx
+                    finally:
+                        async with self.gate:
+                            await self._restore_all(sorted(held))
+            except BaseException:
+                self._closed_already()
+                raise
+
+    async def _restore_all(self, shards: list[int]) -> None:
+        """As the session lease's restore, for every lock the member holds."""
+        if self.lost.is_set() or self.conn.is_closed():
+            return
+        args = (self.keys.member_class, self.member_objid, self.keys.shard_class, shards, self.key)
+        try:
+            async with asyncio.timeout(self.settings.database.connect_timeout):
+                if self.conn.is_in_transaction():
+                    kept = await self.conn.fetchval(Q["shard_fence_release"], *args)
+                    await self.conn.fetchval(Q["shard_fence_retake"], *args)
+                    if not kept:
+                        self.log.warning(
+                            "leader.lock_restored",
+                            hint="SQL run in a fenced transaction released the member's "
+                            "locks (pg_advisory_unlock_all?); they were held throughout and "
+                            "are held again",
+                        )
+                    return
+                # SQL ended the transaction (COMMIT): look, do not touch.
+                state = await self.conn.fetchval(
+                    Q["shard_member_state"], self.backend_pid, self.keys.member_class,
+                    self.member_objid, self.keys.shard_class,
+                )  # fmt: skip
+                if not state["member"] or not set(shards) <= set(state["shards"]):
+                    self._fence_broken("SQL in a fenced transaction ended it and the locks")
+        except LeadershipLost:
+            raise
+        except Exception as exc:  # fail closed: unsure is lost
+            self._fence_broken(f"could not restore the fence: {describe(exc)}")
+
+    def observe(self, state: dict[str, Any], sent: float) -> bool:
+        """Take in a heartbeat's answer (asked at ``sent``): shards it no longer lists are
+        lost, a different member list asks for a rebalance. Whether we are a member."""
+        held = set(state["shards"])
+        for shard in list(self.shards.values()):
+            judged = shard.acquired_at < sent and not shard.unlocking
+            if judged and shard.shard not in held and not shard.lost.is_set():
+                shard.lose("heartbeat: its shard lock is no longer held", gone=True)
+        if self.view is not None and sorted(m.pid for m in self.view.members) != list(
+            state["members"]
+        ):
+            self.rebalance.set()
+        return bool(state["member"])
+
+    def successor(self) -> Member | None:
+        """The member this one watches: the next in pid order, round the ring."""
+        if self.view is None or len(self.view.members) < 2:
+            return None
+        ring = sorted(self.view.members, key=lambda m: m.pid)
+        later = [m for m in ring if m.pid > self.backend_pid]
+        return later[0] if later else ring[0]
+
+
+class ShardedSessionGuard(SessionGuard):
+    """Session mode's guard, for a loop whose work is split into shards."""
+
+    def __init__(self, *args: Any, listener: Listener | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.keys = ShardKeys(self.key, self.settings.plugin.shards)
+        self.listener = listener
+        self.instance = self.settings.instance_id
+
+    @asynccontextmanager
+    async def leadership(self) -> AsyncIterator[SessionLease]:
+        """Yields once this replica is a member (it may lead no shard yet: the
+        rebalancer takes its share, and the loop's ticks claim for whatever it holds)."""
+        conn = await self.store.connect_dedicated(
+            f"lock:{self.loop}", session_keepalive_settings(self.settings)
+        )
+        detect_dead_peer(conn, self.lock.step_down_after)
+        try:
+            await conn.execute(self._session_timeouts())
+            backend_pid = await self._join(conn)
+            since = await conn.fetchval("SELECT now()")
+        except BaseException:
+            conn.terminate()
+            raise
+        lease = MemberLease(
+            conn, self.key, backend_pid, since, 0, self.settings, self.log,
+            self._report_lost, self.schema, keys=self.keys, metrics=self.metrics,
+        )  # fmt: skip
+        on_closed = self._on_closed(lease)
+        conn.add_termination_listener(on_closed)
+        if conn.is_closed():
+            on_closed(conn)
+        self.metrics.leadership_changes.labels(self.loop, "acquired").inc()
+        self.log.info(
+            "leader.acquired", key=self.key, backend_pid=backend_pid, shards=self.keys.count,
+            member=True,
+        )  # fmt: skip
+        if self.listener is not None:
+            await self.listener.subscribe(SHARDS_CHANNEL, lease.heard)
+        await self._notify("member_joined")  # the others make room for us
+        beating = asyncio.create_task(
+            heartbeat(
+                lease,
+                lambda: self._prove_member(lease),
+                self.metrics.heartbeat_failures.labels(self.loop).inc,
+            ),
+            name=f"heartbeat:{self.loop}",
+        )
+        lease.spawn(self._rebalance(lease), name="shards:rebalance", service=True)
+        lease.spawn(self._watch(lease), name="shards:watch", service=True)
+        clean_exit = False
+        try:
+            yield lease
+            clean_exit = True
+        finally:
+            await lease.stop_work(unblock=conn.terminate)
+            beating.cancel()
+            await asyncio.wait({beating})
+            conn.remove_termination_listener(on_closed)
+            if self.listener is not None:
+                self.listener.unsubscribe(SHARDS_CHANNEL)
+            self.metrics.leader.labels(self.loop).set(0)
+            self.metrics.shards_owned.labels(self.loop).set(0)
+            await self._leave(lease, graceful=clean_exit and not lease.lost.is_set())
+
+    # -- joining and leaving ----------------------------------------------------------------
+
+    async def _join(self, conn: asyncpg.Connection) -> int:
+        """Take the member lock, once no member runs another shard count and no replica
+        leads the loop unsharded; until then stand by (and say why, once)."""
+        keys = self.keys
+        self.metrics.lock_waits.labels(self.loop).inc()
+        self.log.info("leader.waiting", key=self.key, shards=keys.count)
+        said: str | None = None
+        while True:
+            async with conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock($1, $2)", keys.shard_class, _GATE)
+                layouts = await conn.fetchrow(Q["shard_layouts"], keys.member_class, keys.count - 1)
+                if layouts["others"]:
+                    why = (
+                        f"replicas running with plugin.shards={layouts['other_count']} share "
+                        "the loop; this one waits until none is left"
+                    )
+                elif not await conn.fetchval("SELECT pg_try_advisory_lock_shared($1)", self.key):
+                    why = (
+                        "a replica running with plugin.shards=1 leads the plugin loop (or "
+                        "waits for its lock); this one waits until none is left"
+                    )
+                else:
+                    pid: int = await conn.fetchval("SELECT pg_backend_pid()")
+                    await conn.execute(
+                        "SELECT pg_advisory_lock($1, $2)",
+                        keys.member_class,
+                        _signed(keys.member_objid(pid)),
+                    )
+                    return pid
+            if why != said:
+                said = why
+                self.log.warning(
+                    "shard.join_blocked", reason=why,
+                    hint="every replica must run with the same plugin.shards",
+                )  # fmt: skip
+            if await wait_any([self.stop, self.schema.newer], self.lock.poll_interval):
+                raise Stopping if self.stop.is_set() else self.schema.error()
+
+    async def _leave(self, lease: MemberLease, graceful: bool) -> None:
+        shards = sorted(lease.shards)
+        if graceful:
+            try:
+                async with asyncio.timeout(self.settings.database.connect_timeout):
+                    await lease.conn.execute(Q["shard_leaders_release"], shards)
+                    await lease.conn.execute("SELECT pg_advisory_unlock_all()")
+                    await lease.conn.close()
+                for shard in shards:
+                    self._released(lease.shards[shard], "stopping")
+                self.metrics.leadership_changes.labels(self.loop, "released").inc()
+                self.log.info("leader.released", key=self.key, shards=len(shards))
+                await self._notify("member_left")
+                return
+            except Exception as exc:
+                self.log.warning("leader.release_failed", error=describe(exc))
+        lease.conn.terminate()
+        if not lease.lost.is_set():
+            self.metrics.leadership_changes.labels(self.loop, "stepped_down").inc()
+            self.log.info("leader.stepped_down", key=self.key)
+
+    async def _notify(self, why: str) -> None:
+        """Tell the other members to look again (best effort: the heartbeat and the
+        watch find the change anyway)."""
+        try:
+            await self.store.pool.execute(NOTIFY, why)
+        except Exception as exc:
+            if not is_database_error(exc):
+                raise
+            self.log.debug("shard.notify_failed", error=describe(exc))
+
+    # -- the heartbeat --------------------------------------------------------------------
+
+    async def _prove_member(self, lease: MemberLease) -> bool:
+        args = (
+            lease.backend_pid,
+            self.keys.member_class,
+            lease.member_objid,
+            self.keys.shard_class,
+        )
+        sent = time.monotonic()
+        try:
+            state = await ask_between_statements(
+                lease.conn, lease.conn_lock, lease.gate, Q["shard_member_state"], *args
+            )
+        except (asyncpg.InterfaceError, asyncpg.ConnectionDoesNotExistError):
+            if not lease.conn.is_closed():
+                raise
+            lease.lose("lock connection closed", gone=True)
+            return False
+        if state is None:
+            state = await self.store.pool.fetchval(Q["shard_member_state"], *args)
+        return lease.observe(state, sent)
+
+    # -- moving towards the assignment ---------------------------------------------------------
+
+    async def _rebalance(self, lease: MemberLease) -> None:
+        """The member's service: read the members, take what is ours and free, hand over
+        what is not. Ends only with the lease (or idles once the daemon stops)."""
+        retry = RETRY_FIRST
+        reason = "join"
+        while not self.stop.is_set():
+            lease.rebalance.clear()
+            why, lease.rebalance_reason = lease.rebalance_reason, None
+            try:
+                settled = await self._step(lease, why or reason)
+            except Exception as exc:
+                if not is_database_error(exc) or lease.lost.is_set():
+                    raise
+                self.log.warning("shard.rebalance_failed", error=describe(exc))
+                settled = False
+            if lease.shards:
+                reason = "rebalance"  # "join" until the member first leads something
+            if settled:
+                retry = RETRY_FIRST
+                wait = self.settings.lock.heartbeat_interval * 30  # a safety net only
+            else:
+                wait, retry = retry, min(retry * 2, RETRY_MAX)
+            await wait_any([lease.rebalance, self.stop], wait)
+        await asyncio.Future()  # stopping: take nothing more; cancelled with the lease
+
+    async def _step(self, lease: MemberLease, reason: str) -> bool:
+        view = await self._view()
+        if lease.view is None or lease.view.members != view.members:
+            lease.view_changed.set()
+        lease.view = view
+        self.metrics.shard_members.labels(self.loop).set(len(view.members))
+        for shard in [s for s in lease.shards.values() if s.lost.is_set() and not s.draining]:
+            shard.draining = True
+            lease.spawn(self._hand_over(lease, shard, "lost"), name=f"shard:{shard.shard}:lost")
+        me = next((m for m in view.members if m.pid == lease.backend_pid), None)
+        if me is None:
+            return False  # not listed yet (or no longer: the heartbeat will say)
+        mine = set(assign(view.members, self.keys.count)[me])
+        for shard in lease.shards.values():
+            if shard.shard not in mine and not shard.draining:
+                shard.draining = True
+                lease.spawn(
+                    self._hand_over(lease, shard, "rebalance"), name=f"shard:{shard.shard}:handover"
+                )
+        wanted = sorted(s for s in mine if s not in lease.shards and view.holders.get(s) is None)
+        if wanted:
+            await self._acquire(lease, wanted, reason)
+        missing = [s for s in mine if s not in lease.shards]
+        return not missing and all(s.shard in mine for s in lease.shards.values())
+
+    async def _view(self) -> View:
+        rows = await self.store.pool.fetch(
+            Q["shard_members"], self.keys.member_class, self.keys.shard_class,
+            self.keys.count - 1, self.keys.count,
+        )  # fmt: skip
+        members = tuple(
+            sorted(
+                Member(member_name(row["application_name"] or ""), row["pid"])
+                for row in rows
+                if row["kind"] == "member"
+            )
+        )
+        holders = {row["shard"]: row["pid"] for row in rows if row["kind"] == "shard"}
+        return View(members, holders)
+
+    async def _acquire(self, lease: MemberLease, wanted: list[int], reason: str) -> None:
+        """Take those of ``wanted`` that are free, draw each one's fencing token and
+        record ourselves as its leader; then wait for predecessors that did not hand over
+        (dead ones are gone in milliseconds) before any of its work starts."""
+        conn = lease.conn
+        started = time.monotonic()
+        async with lease.conn_lock:
+            if lease.lost.is_set():
+                return
+            taken: list[int] = (
+                await conn.fetchval(Q["shard_try_lock"], self.keys.shard_class, wanted) or []
+            )
+            if not taken:
+                return
+            try:
+                tokens, predecessors = await self._claim(conn, taken)
+            except BaseException:
+                # Never left holding a shard nobody leads: give them back (or the
+                # connection goes, and them with it).
+                try:
+                    await conn.fetchval(Q["shard_unlock"], self.keys.shard_class, taken)
+                except BaseException:
+                    conn.terminate()
+                    raise
+                raise
+        settled: dict[str, Any] = {}
+        for predecessor in {(p["instance"], p["pid"]): p for p in predecessors}.values():
+            settled = await settle(self.store.pool, predecessor, self.key, self.settings)
+        for shard in taken:
+            lease.shards[shard] = ShardLease(lease, shard, tokens[shard])
+            self.metrics.shard_changes.labels(self.loop, "acquired", reason).inc()
+            self.log.info(
+                "shard.acquired", shard=shard, fencing_token=tokens[shard], reason=reason,
+                took=round(time.monotonic() - started, 4),
+                **({"predecessor": settled.get("predecessor")} if settled else {}),
+            )  # fmt: skip
+        self._owned(lease)
+        lease.wake_loop()
+
+    async def _claim(
+        self, conn: asyncpg.Connection, shards: list[int]
+    ) -> tuple[dict[int, int], list[Any]]:
+        tokens: dict[int, int] = {}
+        predecessors: list[Any] = []
+        me = (self.instance, os.getpid())
+        async with conn.transaction():
+            for shard in shards:
+                name, key = f"{self.loop}/{shard}", self.keys.lock_key(shard)
+                found = await conn.fetchrow(Q["leader_predecessor"], name, key)
+                self.schema.check(found["schema_version"], self.log, "lock granted")
+                if found["instance"] is not None and (found["instance"], found["pid"]) != me:
+                    predecessors.append(found)
+                tokens[shard] = await conn.fetchval(Q["fencing_next"], name, self.instance)
+                await conn.execute(
+                    Q["leader_claim"], name, key, self.instance, socket.gethostname(),
+                    os.getpid(), tokens[shard],
+                )  # fmt: skip
+        return tokens, predecessors
+
+    async def _hand_over(self, lease: MemberLease, shard: ShardLease, reason: str) -> None:
+        """Give ``shard`` up: no more claims, its runs end (or are stopped), their results
+        written, its leader row deleted; then its lock goes, and the others hear of it."""
+        started = time.monotonic()
+        # A tick fenced for it before it was marked draining has started its runs by the
+        # time it lets the connection go: they are the shard's work from here on.
+        async with lease.conn_lock:
+            pass
+        pending = {task for task in shard._work if not task.done()}
+        if pending and not shard.lost.is_set():
+            timeout = self.settings.plugin.handover_timeout
+            _, late = await asyncio.wait(pending, timeout=timeout)
+            if late:
+                shard.lose(f"handed over: runs still running after {timeout:g}s", gone=False)
+        await shard.stop_work(unblock=lease.conn.terminate)
+        shard.unlocking = True
+        async with lease.conn_lock:
+            if not lease.lost.is_set():
+                await lease.conn.execute(Q["shard_leaders_release"], [shard.shard])
+                await lease.conn.fetchval(Q["shard_unlock"], self.keys.shard_class, [shard.shard])
+        del lease.shards[shard.shard]
+        self._released(shard, reason, handover=round(time.monotonic() - started, 4))
+        self._owned(lease)
+        await self._notify("shard_released")
+        lease.rebalance.set()
+
+    def _released(self, shard: ShardLease, reason: str, **fields: Any) -> None:
+        self.metrics.shard_changes.labels(self.loop, "released", reason).inc()
+        self.log.info("shard.released", shard=shard.shard, reason=reason, **fields)
+
+    def _owned(self, lease: MemberLease) -> None:
+        owned = len(lease.shards)
+        self.metrics.shards_owned.labels(self.loop).set(owned)
+        self.metrics.leader.labels(self.loop).set(1 if owned else 0)
+
+    # -- the watch --------------------------------------------------------------------------
+
+    async def _watch(self, lease: MemberLease) -> None:
+        """Wait, on a connection of our own, for the next member's lock: granted the moment
+        its session ends. Then every member looks again (a NOTIFY), not at the next
+        heartbeat."""
+        while True:
+            await lease.view_changed.wait()
+            lease.view_changed.clear()
+            watched = lease.successor()
+            if watched is None:
+                continue
+            try:
+                if await self._outlived(lease, watched):
+                    self.log.info("shard.member_gone", member=watched.name, backend_pid=watched.pid)
+                    lease.rebalance_reason = "member_gone"
+                    lease.rebalance.set()
+                    await self._notify("member_gone")
+            except Exception as exc:
+                if not is_database_error(exc):
+                    raise
+                self.log.debug("shard.watch_failed", error=describe(exc))
+                lease.view_changed.set()  # try again, after a pause
+                await asyncio.sleep(self.lock.poll_interval)
+
+    async def _outlived(self, lease: MemberLease, watched: Member) -> bool:
+        """True once ``watched``'s member lock was granted to us (it is gone); False if our
+        view of the members changed first (watch another)."""
+        # The server checks the socket of a session that waits: a killed replica's watch
+        # ends within a second, not when its lock is granted.
+        conn = await self.store.connect_dedicated(
+            f"watch:{self.loop}", {"client_connection_check_interval": "1000"}
+        )
+        granted: asyncio.Future[Any] | None = None
+        try:
+            detect_dead_peer(conn, self.lock.step_down_after)
+            await conn.execute("SET statement_timeout = 0")
+            objid = _signed(self.keys.member_objid(watched.pid))
+            granted = asyncio.ensure_future(
+                conn.execute("SELECT pg_advisory_lock($1, $2)", self.keys.member_class, objid)
+            )
+            changed = asyncio.ensure_future(lease.view_changed.wait())
+            try:
+                await asyncio.wait({granted, changed}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                changed.cancel()
+            if granted.done():
+                granted.result()
+                return True
+            return False
+        finally:
+            conn.terminate()  # frees what it was granted; ends a wait without an ERROR
+            if granted is not None and not granted.done():
+                await asyncio.wait({granted})
+            if granted is not None and not granted.cancelled():
+                granted.exception()  # retrieved: the terminate is what ended it

@@ -1,0 +1,12 @@
+-- Sharded leadership of the plugin loop (plugin.shards, docs/leadership.md "Shards").
+--
+-- A schedule's shard is its name's hash modulo the shard count, and the hash is fixed in
+-- its row: every replica, and every statement, reads the same one (a replica never hashes
+-- a name itself). hashtextextended is what PostgreSQL's hash partitioning uses: stable
+-- within a server version, and a dump restored elsewhere recomputes the column there.
+CREATE FUNCTION scheduler_shard_hash(name text) RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE STRICT
+AS $$ SELECT (hashtextextended(name, 0) & 2147483647)::integer $$;
+
+ALTER TABLE scheduler_plugin_tasks
+    ADD COLUMN shard_hash integer GENERATED ALWAYS AS (scheduler_shard_hash(name)) STORED;
