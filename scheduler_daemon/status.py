@@ -24,6 +24,7 @@ from .leadership.sqlite_flock import lock_path
 from .output import json_value
 
 if TYPE_CHECKING:  # the CLI imports this module; it has no use for prometheus_client
+    from .db.postgres import PostgresStore
     from .metrics import Metrics
     from .schema_gate import SchemaGate
 
@@ -77,6 +78,12 @@ async def _postgres_loops(store: Store, settings: Settings) -> dict[str, dict[st
     q = queries("postgres")
     loops: dict[str, dict[str, Any]] = {}
     for loop, key in _loop_keys(settings).items():
+        if loop == "plugin":
+            # Whatever this config says: the replicas running are what is reported.
+            count = await _running_shards(store, key) or settings.plugin.shards
+            if count > 1:
+                loops[loop] = await _shards(store, key, count)
+                continue
         rows = await store.pool.fetch(q["lock_sessions"], loop, key)
         leader = None
         standbys = []
@@ -105,6 +112,77 @@ async def _postgres_loops(store: Store, settings: Settings) -> dict[str, dict[st
             "standby_count": len(standbys),
         }
     return loops
+
+
+async def _running_shards(store: PostgresStore, key: int) -> int | None:
+    """The shard count the plugin loop's members run with (None: no member)."""
+    from .leadership.shards import ShardKeys
+
+    layouts = await store.pool.fetchrow(
+        queries("postgres")["shard_layouts"], ShardKeys(key, 1).member_class, -1
+    )
+    count: int | None = layouts["other_count"]
+    return count
+
+
+async def _shards(store: PostgresStore, key: int, count: int) -> dict[str, Any]:
+    """A sharded loop: its members and who leads each shard, from the lock manager."""
+    from .leadership.shards import ShardKeys, member_name
+
+    keys = ShardKeys(key, count)
+    q = queries("postgres")
+    members: dict[int, dict[str, Any]] = {}
+    for row in await store.pool.fetch(
+        q["shard_members"], keys.member_class, keys.shard_class, count - 1, count
+    ):
+        if row["kind"] == "member":
+            name = member_name(row["application_name"] or "")
+            members[row["pid"]] = {"instance": name, "backend_pid": row["pid"], "shards": []}
+    owners = []
+    for row in await store.pool.fetch(q["shard_owners"], keys.shard_class, count):
+        member = members.get(row["backend_pid"])
+        if member is not None:
+            member["shards"].append(row["shard"])
+        holder = row["instance"] or instance_from_application_name(row["application_name"])
+        owners.append(
+            {
+                "shard": row["shard"],
+                "instance": holder if row["backend_pid"] is not None else None,
+                "host": row["hostname"],
+                "pid": row["os_pid"],
+                "backend_pid": row["backend_pid"],
+                "since": json_value(row["acquired_at"]),
+                "fencing_token": row["fencing_token"],
+                "changes": row["changes"],
+            }
+        )
+    listed = sorted(members.values(), key=lambda m: (m["instance"], m["backend_pid"]))
+    shares = [len(m["shards"]) for m in listed]
+    mean = count / len(listed) if listed else None
+    led = sum(1 for owner in owners if owner["instance"] is not None)
+    return {
+        "lock_key": key,
+        "shards": count,
+        "leader": None,  # each shard has its own: see shard_owners
+        "members": listed,
+        "member_count": len(listed),
+        "shard_owners": owners,
+        "balance": {
+            "led": led,
+            "unled": count - led,
+            "largest": max(shares, default=0),
+            "mean": round(mean, 3) if mean is not None else None,
+            "largest_over_mean": round(max(shares) / mean, 3) if mean else None,
+        },
+        "owner_changes": sum(owner["changes"] for owner in owners),
+        # Members that lead no shard yet (more members than shards, or just joined).
+        "standbys": [
+            {"instance": m["instance"], "backend_pid": m["backend_pid"]}
+            for m in listed
+            if not m["shards"]
+        ],
+        "standby_count": sum(1 for m in listed if not m["shards"]),
+    }
 
 
 async def _sqlite_loops(store: Store, settings: Settings) -> dict[str, dict[str, Any]]:
@@ -156,7 +234,12 @@ def _flock_held(path: os.PathLike[str]) -> bool:
 # What the summary keeps, level by level; everything else is left out. An allow-list, so a
 # field added to the full report later stays out of the network's view until added here.
 _SUMMARY_TOP = ("backend", "lock_mode", "schema_version", "publications", "loops")
-_SUMMARY_LOOP = ("lock_key", "lock_held", "standby_count", "backlog", "lag", "next_due")
+_SUMMARY_LOOP = (
+    "lock_key", "lock_held", "standby_count", "backlog", "lag", "next_due",
+    "shards", "member_count", "balance", "owner_changes",
+)  # fmt: skip
+_SUMMARY_MEMBER = ("instance", "shards")
+_SUMMARY_OWNER = ("shard", "instance", "since", "fencing_token", "changes")
 _SUMMARY_LEADER = ("instance", "since", "last_heartbeat", "heartbeat_age", "fencing_token")
 _SUMMARY_STANDBY = ("instance", "connected_since")
 
@@ -184,6 +267,9 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         loop["standbys"] = (
             None if standbys is None else [_keep(each, _SUMMARY_STANDBY) for each in standbys]
         )
+        if "members" in info:  # sharded
+            loop["members"] = [_keep(each, _SUMMARY_MEMBER) for each in info["members"]]
+            loop["shard_owners"] = [_keep(each, _SUMMARY_OWNER) for each in info["shard_owners"]]
         loops[name] = loop
     if "loops" in report:
         summary["loops"] = loops
@@ -227,7 +313,9 @@ def render_status(report: dict[str, Any]) -> str:
         )
     for loop, info in report["loops"].items():
         leader = info["leader"]
-        if leader:
+        if "members" in info:
+            lines.extend(_render_shards(loop, info))
+        elif leader:
             age = leader.get("heartbeat_age")
             lines.append(
                 f"{loop:<10} leader {leader['instance']} (host {leader.get('host') or '?'}, "
@@ -238,7 +326,9 @@ def render_status(report: dict[str, Any]) -> str:
         else:
             lines.append(f"{loop:<10} leader -")
         standbys = info.get("standbys")
-        if standbys is not None:
+        if "members" in info:
+            pass  # a member without shards is listed with its (empty) share
+        elif standbys is not None:
             names = ", ".join(s["instance"] or f"pid {s['backend_pid']}" for s in standbys)
             lines.append(f"{'':<10} standbys {len(standbys)}{': ' + names if names else ''}")
         else:
@@ -256,3 +346,32 @@ def render_status(report: dict[str, Any]) -> str:
                 f"next slot {info['next_due'] or '-'}"
             )
     return "\n".join(lines)
+
+
+def _render_shards(loop: str, info: dict[str, Any]) -> list[str]:
+    balance = info["balance"]
+    lines = [
+        f"{loop:<10} {info['shards']} shards over {info['member_count']} members: "
+        f"largest share {balance['largest']} (mean {balance['mean'] or 0:g}), "
+        f"{balance['unled']} unled, {info['owner_changes']} changes of owner"
+    ]
+    for member in info["members"]:
+        shards = member["shards"]
+        lines.append(
+            f"{'':<10} member {member['instance']} leads {len(shards)}: {_ranges(shards) or '-'}"
+        )
+    unled = [o["shard"] for o in info["shard_owners"] if o["instance"] is None]
+    if unled:
+        lines.append(f"{'':<10} unled {_ranges(unled)}")
+    return lines
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    spans: list[list[int]] = []
+    for n in sorted(numbers):
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)

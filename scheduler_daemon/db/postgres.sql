@@ -96,6 +96,7 @@ SELECT $1, (d.epoch << 40) + d.start_offset
 FROM drawn d
 ON CONFLICT (loop) DO UPDATE SET
     token = EXCLUDED.token, instance = EXCLUDED.instance, changed_at = now(),
+    draws = f.draws + 1,
     epoch = EXCLUDED.epoch, timeline = EXCLUDED.timeline, start_offset = EXCLUDED.start_offset
 RETURNING token, (SELECT token FROM previous) AS previous
 
@@ -354,16 +355,20 @@ SELECT count(*) FILTER (WHERE pg_advisory_unlock($1::bigint::int, s)) AS release
 FROM unnest($2::int[]) AS s
 
 -- name: shard_owners
--- `status`: who holds each shard of the plugin loop, with the leader row it wrote.
-SELECT l.objid::int AS shard, l.pid AS backend_pid, a.application_name,
-       s.instance, s.hostname, s.pid AS os_pid, s.acquired_at, s.fencing_token
-FROM pg_locks l
-JOIN pg_stat_activity a ON a.pid = l.pid
-LEFT JOIN scheduler_leaders s ON s.loop = 'plugin/' || l.objid AND s.backend_pid = l.pid
-WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND l.classid = $1::bigint::oid AND l.objid::bigint < $2
-ORDER BY l.objid
+-- `status`: every shard of the plugin loop ($2 of them, class $1), who holds it (from the
+-- lock manager), the leader row its holder wrote, and how often it changed hands.
+SELECT s.shard, l.pid AS backend_pid, a.application_name, host(a.client_addr) AS client_addr,
+       r.instance, r.hostname, r.pid AS os_pid, r.acquired_at, r.fencing_token,
+       coalesce(f.draws, 0) AS changes
+FROM generate_series(0, $2 - 1) AS s(shard)
+LEFT JOIN pg_locks l
+    ON l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+   AND l.classid = $1::bigint::oid AND l.objid::bigint = s.shard
+LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+LEFT JOIN scheduler_leaders r ON r.loop = 'plugin/' || s.shard AND r.backend_pid = l.pid
+LEFT JOIN scheduler_fencing f ON f.loop = 'plugin/' || s.shard
+ORDER BY s.shard
 
 -- Plugin loop (db/plugin_store.py calls these with named parameters, :name). Everything
 -- here runs inside the tick's fenced transaction. Batches arrive as JSON arrays of

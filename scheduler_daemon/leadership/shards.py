@@ -58,13 +58,13 @@ from ..db.postgres import (
 )
 from ..db.sqlfiles import queries
 from ..errors import describe
-from ..metrics import Metrics
 from .assignment import Member, assign
 from .base import LeadershipLost, LeaseState, Stopping, heartbeat
 from .postgres_session import SessionGuard, SessionLease, session_keepalive_settings, settle
 
 if TYPE_CHECKING:
     from ..db.listen import Listener
+    from ..metrics import Metrics
 
 Q = queries("postgres")
 T = TypeVar("T")

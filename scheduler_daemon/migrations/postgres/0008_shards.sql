@@ -10,3 +10,8 @@ AS $$ SELECT (hashtextextended(name, 0) & 2147483647)::integer $$;
 
 ALTER TABLE scheduler_plugin_tasks
     ADD COLUMN shard_hash integer GENERATED ALWAYS AS (scheduler_shard_hash(name)) STORED;
+
+-- How many tokens a loop (or a shard: loop 'plugin/<shard>') drew since this migration. In
+-- session mode, and for a shard, one per change of its leader: `status` reports the
+-- shards' rebalances from it (transaction mode draws one per tick that wins the lock).
+ALTER TABLE scheduler_fencing ADD COLUMN draws bigint NOT NULL DEFAULT 0;
