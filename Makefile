@@ -43,10 +43,12 @@ test-long: $(STAMP)
 	$(BIN)/pytest -q $(PYTEST_XDIST) --run-long -m chaos_long \
 	    --deselect tests/chaos/test_chaos.py::test_chaos_soak $(PYTEST_ARGS)
 
-# One long nemesis run: make chaos SEED=7 DURATION=1800 REPLICAS=5 (defaults: a random
-# seed, 300 s, 5 replicas). Its history, report and timeline land in chaos-runs/.
+# One long nemesis run: make chaos SEED=7 DURATION=1800 REPLICAS=5 SHARDS=16 (defaults: a
+# random seed, 300 s, 5 replicas, 1 shard: one plugin leader). Its history, report and
+# timeline land in chaos-runs/.
 chaos: $(STAMP)
 	CHAOS_SEED=$(SEED) CHAOS_DURATION=$(DURATION) CHAOS_REPLICAS=$(REPLICAS) \
+	    CHAOS_SHARDS=$(SHARDS) \
 	    $(BIN)/pytest -q -s --run-long tests/chaos/test_chaos.py::test_chaos_soak $(PYTEST_ARGS)
 
 # Full run (about 50 minutes here) and a smoke run of every benchmark (a few minutes); both

@@ -9,8 +9,13 @@ boolean. Violation kinds:
                            or an acknowledged one the database no longer holds.
 ``unknown_publication``    an effect of a publication the history never scheduled.
 ``duplicate_slot``         one plugin slot (task, slot) run twice, by one kind of record.
-``overlap``                two instances doing one loop's work at overlapping times.
-``token_regression``       a fencing token smaller than one already seen in that loop.
+``overlap``                two instances doing one loop's work at overlapping times (with
+                           sharded leadership, one *shard's* work: see below).
+``token_regression``       a fencing token smaller than one already seen in that loop (in
+                           that shard).
+``token_reused``           one token in one loop (shard) held by two different instances.
+``wrong_shard``            sharded: a run in another shard than its task's, or a Python
+                           record of a run with no shard.
 ``lock_left``              an advisory lock held after every replica stopped.
 ``early``                  work before it was due (due-ness must follow the database clock).
 ``late``                   lateness outside fault windows above ``meta.lateness_bound``.
@@ -32,6 +37,15 @@ misfire policy could have given them up (a period before the next slot run, at t
 earliest); a task that stopped running, from its next slot to the horizon. Only the part of
 that span outside every fault window (fault start to fault end + recovery allowance, and
 the replicas' start-up) counts against the bound.
+
+Sharded leadership (``meta.shards`` > 1): each schedule is in one shard, each shard has one
+owner at a time, and different shards legitimately work at once on different replicas.
+So the plugin loop's "one instance at a time" rule and its token stream are per shard: a
+run's shard is the one its record names (``ctx.shard``), else its task's (from the
+database, ``meta.task_shards``, or from the task's other records); a run whose shard
+cannot be known is held to its schedule's own rule (one instance at a time per task).
+Shard tokens come from the runs and the ``shard.acquired`` lines; the member-level
+``leader.acquired`` of the plugin loop carries no token for work then and is left out.
 """
 
 from __future__ import annotations
@@ -141,6 +155,7 @@ class CheckResult:
 def check(history: History) -> CheckResult:
     checker = _Checker(history)
     counts = checker.publications()
+    checker.shards()
     checker.slots()
     checker.overlaps()
     checker.tokens()
@@ -199,6 +214,36 @@ def fault_windows(history: History) -> list[tuple[float, float, str]]:
 # -- the checks ------------------------------------------------------------------------
 
 
+def task_shards(history: History) -> tuple[dict[str, int], list[tuple[str, set[int]]]]:
+    """Each plugin task's shard (sharded leadership; {} otherwise), and the tasks whose
+    records name more than one (with the database's, from ``meta.task_shards``): a
+    schedule's shard is fixed by its name, so that is a bug."""
+    if history.meta.shards <= 1:
+        return {}, []
+    named: dict[str, set[int]] = defaultdict(set)
+    for task, shard in history.meta.task_shards.items():
+        named[task].add(shard)
+    for run in history.runs:
+        if run.loop == "plugin" and run.task is not None and run.shard is not None:
+            named[run.task].add(run.shard)
+    shards = {task: next(iter(found)) for task, found in named.items() if len(found) == 1}
+    # Where they disagree, the database's rule decides (the records are the suspects).
+    shards |= {t: s for t, s in history.meta.task_shards.items() if len(named[t]) > 1}
+    return shards, sorted((t, found) for t, found in named.items() if len(found) > 1)
+
+
+def scope_of(history: History, record: Run, shards: Mapping[str, int]) -> str:
+    """Where one instance at a time is the rule for this run: its loop; with sharded
+    leadership, a plugin run's shard (``plugin shard 3``), or its task where its shard
+    cannot be known (``plugin task x``)."""
+    if record.loop != "plugin" or history.meta.shards <= 1:
+        return record.loop
+    shard = record.shard if record.shard is not None else shards.get(record.task or "")
+    if shard is not None:
+        return f"plugin shard {shard}"
+    return f"plugin task {record.task or record.kind}"
+
+
 @dataclass(slots=True)
 class _Unit:
     """One piece of work by one instance, however many records saw it."""
@@ -208,6 +253,7 @@ class _Unit:
     start: float
     end: float
     records: list[Run | PublishEffect]
+    scope: str = ""  # where one instance at a time is the rule (see `scope_of`)
 
     def describe(self) -> str:
         """The work and each record of it, so that one can see which record shows what."""
@@ -236,6 +282,7 @@ class _Checker:
             loop: {"inside": [], "outside": []} for loop in ("publish", "plugin")
         }
         self.windows = merge_spans((a, b) for a, b, _ in fault_windows(history))
+        self.task_shards, self.shard_conflicts = task_shards(history)
         window = self.meta.async_window
         self.async_faults = [f for f in history.faults if f.kind == "failover_async"]
         if self.async_faults and window is None:
@@ -490,23 +537,59 @@ class _Checker:
                         "plugin",
                     )
 
-    # 3. one instance at a time per loop -------------------------------------------------
+    # 3. one instance at a time per loop (per shard) -------------------------------------
+
+    def shards(self) -> None:
+        """Sharded: every run in its task's one shard, and every Python record naming it."""
+        if self.meta.shards <= 1:
+            return
+        for task, found in self.shard_conflicts:
+            database = self.meta.task_shards.get(task)
+            odd = sorted(
+                (r for r in self.history.runs if r.task == task and r.shard is not None),
+                key=lambda r: (r.shard == database, r.start),
+            )
+            self.flag(
+                "wrong_shard",
+                f"task {task} ran in shards {sorted(found)} (the database puts it in shard "
+                f"{database}), but a schedule's shard is fixed by its name: "
+                + "; ".join(r.describe() for r in odd[:3]),
+                odd[:20],
+                odd[0].start if odd else None,
+                "plugin",
+            )
+        unsharded = [
+            r
+            for r in self.history.runs
+            if r.loop == "plugin" and r.source == "external" and r.shard is None
+        ]
+        if unsharded:
+            self.flag(
+                "wrong_shard",
+                f"{len(unsharded)} Python run record(s) of the plugin loop carry no shard "
+                f"(ctx.shard) though it has {self.meta.shards} shards, e.g. "
+                + "; ".join(r.describe() for r in unsharded[:3]),
+                unsharded[:20],
+                unsharded[0].start,
+                "plugin",
+            )
 
     def overlaps(self) -> None:
-        for loop, units in _units(self.history).items():
+        for scope, units in _units(self.history, self.task_shards).items():
             units.sort(key=lambda u: (u.start, u.end))
             active: list[_Unit] = []
             for unit in units:
                 active = [u for u in active if u.end > unit.start]
                 for earlier in active:
                     if earlier.instance != unit.instance and _overlap(earlier, unit):
-                        self._overlap(loop, earlier, unit)
+                        self._overlap(scope, earlier, unit)
                 active.append(unit)
 
-    def _overlap(self, loop: str, a: _Unit, b: _Unit) -> None:
+    def _overlap(self, scope: str, a: _Unit, b: _Unit) -> None:
         both = min(a.end, b.end) - max(a.start, b.start)
+        loop = a.loop
         text = (
-            f"{loop}: {a.describe()} and {b.describe()}: two instances doing {loop} work "
+            f"{scope}: {a.describe()} and {b.describe()}: two instances doing {scope} work "
             f"at once for {max(both, 0.0):.3f} s"
         )
         items = [*a.records, *b.records]
@@ -536,10 +619,14 @@ class _Checker:
     # 4. fencing tokens never go backwards ----------------------------------------------
 
     def tokens(self) -> None:
+        """Per loop, or sharded per (plugin, shard): never backwards, never one token for
+        two instances."""
         streams: dict[tuple[str, str], list[tuple[float, int, Record]]] = defaultdict(list)
+        sharded = self.meta.shards > 1
         for run in self.history.runs:
             if run.token is not None and run.did_work:
-                streams[(run.loop, "work")].append((run.start, run.token, run))
+                scope = scope_of(self.history, run, self.task_shards)
+                streams[(scope, "work")].append((run.start, run.token, run))
         for effect in self.history.publish_effects:
             if effect.token is not None:
                 # A notify message's time is when the listener got it, after the commit:
@@ -547,7 +634,13 @@ class _Checker:
                 stream = "notify" if effect.source == "notify" else "work"
                 streams[("publish", stream)].append((effect.at, effect.token, effect))
         for event in self.history.leaders:
-            if event.event == "acquired" and event.token is not None:
+            if event.event != "acquired" or event.token is None:
+                continue
+            if event.shard is not None:
+                streams[(f"{event.loop} shard {event.shard}", "work")].append(
+                    (event.at, event.token, event)
+                )
+            elif not (sharded and event.loop == "plugin"):
                 streams[(event.loop, "work")].append((event.at, event.token, event))
         for (loop, stream), items in streams.items():
             items.sort(key=lambda item: item[0])
@@ -560,14 +653,39 @@ class _Checker:
         records it left, interleaved or not."""
         highest: tuple[float, int, Record] | None = None
         episodes: dict[tuple[Any, ...], tuple[tuple[float, int, Record], list[Record]]] = {}
+        reused: dict[tuple[Any, ...], tuple[tuple[float, int, Record], list[Record]]] = {}
         for item in items:
             if highest is None or item[1] > highest[1]:
                 highest = item
             elif item[1] < highest[1]:
                 key = (_who(item[2]), id(highest[2]))
                 episodes.setdefault(key, (highest, []))[1].append(item[2])
+            elif _who(item[2])[0] not in (None, _who(highest[2])[0]):
+                # The same token, another instance: a token never repeats for another owner.
+                key = (_who(item[2]), id(highest[2]))
+                reused.setdefault(key, (highest, []))[1].append(item[2])
         for larger, records in episodes.values():
             self._token_episode(loop, stream, larger, records)
+        for first, records in reused.values():
+            self._token_reused(loop, stream, first, records)
+
+    def _token_reused(
+        self, loop: str, stream: str, first: tuple[float, int, Record], episode: Sequence[Record]
+    ) -> None:
+        at, token, record = first
+        shown = "; ".join(r.describe() for r in episode[:3])
+        more = f" (and {len(episode) - 3} more)" if len(episode) > 3 else ""
+        text = (
+            f"{loop} ({stream} records): {shown}{more} came after {record.describe()} with the "
+            f"same token {token}: one token held by two instances"
+        )
+        fault = self.async_fault(at)
+        later = _time(episode[0])
+        if fault is not None and later >= fault.start:
+            self.allow("token_reused", f"{text}, {self._window_note(fault)}",
+                       [record, *episode], later, _loop(loop))  # fmt: skip
+        else:
+            self.flag("token_reused", text, [record, *episode], later, _loop(loop))
 
     def _token_episode(
         self, loop: str, stream: str, highest: tuple[float, int, Record], episode: Sequence[Record]
@@ -588,10 +706,10 @@ class _Checker:
                 f"{text}, {self._window_note(fault)}",
                 [record, *episode],
                 first_at,
-                loop,
+                _loop(loop),
             )
         else:
-            self.flag("token_regression", text, [record, *episode], first_at, loop)
+            self.flag("token_regression", text, [record, *episode], first_at, _loop(loop))
 
     # 5. nothing left behind --------------------------------------------------------------
 
@@ -745,7 +863,8 @@ def _by_slot(runs: Iterable[Run]) -> dict[tuple[str, float], list[Run]]:
     return dict(grouped)
 
 
-def _units(history: History) -> dict[str, list[_Unit]]:
+def _units(history: History, shards: Mapping[str, int]) -> dict[str, list[_Unit]]:
+    """The units of work by scope (see `scope_of`)."""
     merged: dict[tuple[Any, ...], _Unit] = {}
     for index, run in enumerate(history.runs):
         if not run.did_work:
@@ -758,7 +877,8 @@ def _units(history: History) -> dict[str, list[_Unit]]:
         )
         unit = merged.get(key)
         if unit is None:
-            merged[key] = _Unit(run.loop, run.instance, run.start, run.work_end, [run])
+            scope = scope_of(history, run, shards)
+            merged[key] = _Unit(run.loop, run.instance, run.start, run.work_end, [run], scope)
         else:
             unit.start, unit.end = min(unit.start, run.start), max(unit.end, run.work_end)
             unit.records.append(run)
@@ -766,12 +886,17 @@ def _units(history: History) -> dict[str, list[_Unit]]:
         # A notify message's time is its delivery, not when the work was done.
         if effect.source != "notify" and effect.instance is not None:
             merged[("effect", index)] = _Unit(
-                "publish", effect.instance, effect.at, effect.at, [effect]
+                "publish", effect.instance, effect.at, effect.at, [effect], "publish"
             )
-    by_loop: dict[str, list[_Unit]] = defaultdict(list)
+    by_scope: dict[str, list[_Unit]] = defaultdict(list)
     for unit in merged.values():
-        by_loop[unit.loop].append(unit)
-    return by_loop
+        by_scope[unit.scope].append(unit)
+    return by_scope
+
+
+def _loop(scope: str) -> str:
+    """The loop of a scope (``plugin shard 3`` -> ``plugin``)."""
+    return scope.split(" ", 1)[0]
 
 
 def _overlap(a: _Unit, b: _Unit) -> bool:

@@ -44,6 +44,7 @@ from chaos.nemesis import (
     OVERLAP,
     PROCESS_FAULTS,
     REPLICA_FAULTS,
+    SPARES,
     FaultKind,
     Intent,
     ReplicaState,
@@ -52,7 +53,15 @@ from chaos.nemesis import (
     plan,
     planned_pairs,
 )
-from chaos.workload import KEY_PREFIX, TASK_PERIODS, WORKLOAD_DDL, Feeder, FeedLog, replica_env
+from chaos.workload import (
+    KEY_PREFIX,
+    SHARD_OF_TASKS,
+    WORKLOAD_DDL,
+    Feeder,
+    FeedLog,
+    replica_env,
+    task_periods,
+)
 
 # Leadership log events, and what they mean for the timeline.
 LEADER_EVENTS = {
@@ -61,6 +70,9 @@ LEADER_EVENTS = {
     "leader.lost": "lost",
     "leader.stepped_down": "lost",
 }
+# Sharded leadership (SCHEDULER_PLUGIN__SHARDS > 1): each shard of the plugin loop has an
+# owner of its own, and these lines tell when it changed.
+SHARD_EVENTS = {"shard.acquired": "acquired", "shard.released": "released", "shard.lost": "lost"}
 
 # The longest the nemesis waits for a fault to be inflicted (a failover's primary stopped
 # comes after the standby is in sync and, asynchronous, after the held-back second).
@@ -84,6 +96,17 @@ class ChaosConfig:
     mean_gap: float = 3.0
     lateness_bound: float = 2.0  # seconds, outside fault windows
     recovery_allowance: float = 6.0  # seconds after a fault that still count as its window
+    # Sharded leadership of the plugin loop (SCHEDULER_PLUGIN__SHARDS; 1: one leader), and
+    # how many plugin tasks the workload adds to spread over the shards (None: as many as
+    # there are shards, at most 9; none when there is one).
+    shards: int = 1
+    shard_tasks: int | None = None
+
+    @property
+    def extra_tasks(self) -> int:
+        if self.shards <= 1:
+            return 0
+        return min(self.shards, 9) if self.shard_tasks is None else self.shard_tasks
 
 
 @dataclass
@@ -105,6 +128,10 @@ class Replica:
     name: str
     index: int  # its network namespace's number
     incarnations: list[Incarnation] = field(default_factory=list)
+    # A spare replica runs only while a scale_up has started it (`enabled`): beyond the
+    # configured count, it is never restarted by another fault's healing once it left.
+    spare: bool = False
+    enabled: bool = True
 
     @property
     def current(self) -> Incarnation | None:
@@ -132,9 +159,15 @@ class ChaosRun:
         self._net_lock = threading.Lock()
         self._active: dict[str, dict[int, FaultKind]] = {}
         self._leaders: dict[str, str | None] = {}  # each loop's leader when last seen
+        spares = SPARES if "scale_up" in config.kinds else 0
         self.replicas = [Replica(f"r{n + 1}", n) for n in range(config.replicas)]
+        self.replicas += [
+            Replica(f"r{n + 1}", n, spare=True, enabled=False)
+            for n in range(config.replicas, config.replicas + spares)
+        ]
+        self.task_periods = task_periods(config.extra_tasks)
         failover = {"failover_sync", "failover_async"} & set(config.kinds)
-        self.network = ChaosNetwork.create(self.directory, config.replicas)
+        self.network = ChaosNetwork.create(self.directory, len(self.replicas))
         self.db = ChaosDatabase(with_standby=bool(failover), network=self.network)
         self.daemons = Daemons(self.directory / "daemons")
         self.intents = plan(
@@ -170,7 +203,8 @@ class ChaosRun:
         execute(self.db.admin_dsn, WORKLOAD_DDL)
         started = time.time()
         for replica in self.replicas:
-            self._start(replica)
+            if not replica.spare:
+                self._start(replica)
         feeder = Feeder(self.db.client_dsn, random.Random(self.config.seed + 1))
         feeder.start()
         try:
@@ -190,11 +224,22 @@ class ChaosRun:
         locks = self.db.advisory_locks()
         return self._write_history(started, stopped, feeder, locks)
 
-    def _start(self, replica: Replica, skew_seconds: float = 0.0) -> Incarnation:
-        instance = f"{replica.name}.{len(replica.incarnations) + 1}"
+    def _start(self, replica: Replica, skew_seconds: float = 0.0) -> Incarnation | None:
+        """Start a process of `replica`; None for a spare that is not wanted now (a fault
+        healing after the scale_up that started it ended)."""
+        with self._lock:
+            if not replica.enabled:
+                return None
+            instance = f"{replica.name}.{len(replica.incarnations) + 1}"
         env = {
             **FAST_TIMINGS,
-            **replica_env(self.db.replica_dsn(replica.index), instance, self.effects_log),
+            **replica_env(
+                self.db.replica_dsn(replica.index),
+                instance,
+                self.effects_log,
+                shards=self.config.shards,
+                extra_tasks=self.config.extra_tasks,
+            ),
             **(faketime_env(skew_seconds) if skew_seconds else {}),
         }
         argv = self.network.argv(replica.index, [*CLI, "run"])
@@ -257,7 +302,7 @@ class ChaosRun:
             current = replica.current
             if current is not None:
                 current.process.signal(signal.SIGCONT)
-            else:
+            elif not replica.spare:
                 self._start(replica)
 
     # -- the nemesis -----------------------------------------------------------------
@@ -334,12 +379,20 @@ class ChaosRun:
                         k in ENDS_PROCESS for k in self._active.get(replica.name, {}).values()
                     ),
                     active=tuple(self._active.get(replica.name, {}).values()),
+                    spare=replica.spare and not replica.enabled,
                 )
                 for replica in self.replicas
             ]
             chosen = choose_replica(intent.kind, preferred, intent.pick, states)
             if chosen is None:
+                if intent.kind == "scale_up":
+                    return None, "no spare replica left"
+                if intent.kind == "scale_down":
+                    return None, "too few replicas running to stop one"
                 return None, "no replica it could hit"
+            if intent.kind == "scale_up":
+                replica = next(r for r in self.replicas if r.name == chosen)
+                replica.enabled = True
             busy = ", ".join(sorted(self._active.get(preferred or "", {}).values()))
             self._active.setdefault(chosen, {})[intent.id] = intent.kind
         replica = next(r for r in self.replicas if r.name == chosen)
@@ -429,6 +482,23 @@ class ChaosRun:
             self._wait_for(heal_after)
             self._start(replica)
             return {}, instance, None
+        if kind == "scale_down":
+            self._end(
+                replica, signal.SIGTERM, sent=inflicted.set, why=f"{kind} (fault {intent.id})"
+            )
+            time.sleep(intent.duration)
+            self._wait_for(heal_after)
+            self._start(replica)  # it joins again (a spare it was: only while still wanted)
+            return {}, instance, None
+        if kind == "scale_up":
+            joined = self._start(replica)
+            inflicted.set()
+            time.sleep(intent.duration)
+            self._wait_for(heal_after)
+            with self._lock:
+                replica.enabled = False  # no fault's healing starts it again now
+            self._end(replica, signal.SIGTERM, why=f"{kind} (fault {intent.id}) ending")
+            return {}, joined.instance if joined is not None else None, None
         if kind == "clock_skew":
             self._end(
                 replica, signal.SIGTERM, sent=inflicted.set, why=f"{kind} (fault {intent.id})"
@@ -524,7 +594,10 @@ class ChaosRun:
                 "lateness_bound": self.config.lateness_bound,
                 "recovery_allowance": self.config.recovery_allowance,
                 "async_window": self.db.async_window,
-                "expected_slots": dict(TASK_PERIODS),
+                "expected_slots": dict(self.task_periods),
+                "shards": self.config.shards,
+                "task_shards": self._task_shards(),
+                "spares": [replica.name for replica in self.replicas if replica.spare],
                 "skews": {k: v for k, v in skews.items() if v},
                 "feeder_errors": len(feed.errors),
                 "uncertain_keys": feed.uncertain,
@@ -548,6 +621,13 @@ class ChaosRun:
         history.add_effects(read_effects(self.effects_log), skews, publication_id=_key_order)
         history.dump(path)
         return path
+
+    def _task_shards(self) -> dict[str, int]:
+        """Each task's shard, by the daemon's own rule in the database ({} unsharded)."""
+        if self.config.shards <= 1:
+            return {}
+        rows = fetch(self.db.admin_dsn, SHARD_OF_TASKS, list(self.task_periods), self.config.shards)
+        return {row["name"]: row["shard"] for row in rows}
 
     def _publications(self, feed: FeedLog) -> Iterator[dict[str, Any]]:
         """Publications by the number in their key, not their database id: an asynchronous
@@ -610,7 +690,7 @@ class ChaosRun:
             # The SQL task's own rows (above) are its database record, with the real span
             # of its work and its token: the daemon's bookkeeping row would be a second
             # record of the same run.
-            [task for task in TASK_PERIODS if task != "sql_probe"],
+            [task for task in self.task_periods if task != "sql_probe"],
         ):
             yield {
                 "type": "run",
@@ -631,10 +711,20 @@ class ChaosRun:
             for incarnation in replica.incarnations:
                 skew = incarnation.skew_seconds
                 for entry in incarnation.process.log_events():
-                    event = LEADER_EVENTS.get(str(entry.get("event")))
-                    if event is None or "loop" not in entry or "timestamp" not in entry:
+                    name = str(entry.get("event"))
+                    if "timestamp" not in entry:
                         continue
                     at = datetime.fromisoformat(entry["timestamp"]).replace(tzinfo=UTC)
+                    if name in SHARD_EVENTS and entry.get("shard") is not None:
+                        yield {"type": "leader", "loop": entry.get("loop", "plugin"),
+                               "instance": incarnation.instance, "event": SHARD_EVENTS[name],
+                               "token": entry.get("fencing_token"), "shard": entry["shard"],
+                               "reason": entry.get("reason"),
+                               "at": at.timestamp() - skew}  # fmt: skip
+                        continue
+                    event = LEADER_EVENTS.get(name)
+                    if event is None or "loop" not in entry:
+                        continue
                     yield {"type": "leader", "loop": entry["loop"],
                            "instance": incarnation.instance, "event": event,
                            "token": entry.get("fencing_token"),

@@ -19,9 +19,11 @@ checked again later, by a newer checker, without running it again:
                    ``notify``: a message on the notify stream; ``external``: a Python
                    publisher's record outside the database), instance, token, at.
 ``run``            one run of loop work: loop, task, slot (ISO 8601, or null), kind, source
-                   (``db`` / ``external``), instance, token, start, end, outcome.
+                   (``db`` / ``external``), instance, token, start, end, outcome; and
+                   ``shard`` (sharded leadership: the shard its record names, else null).
 ``leader``         loop, instance, event (``acquired`` / ``released`` / ``lost``), at, token:
-                   from the replicas' ``leader.*`` log lines.
+                   from the replicas' ``leader.*`` log lines; with ``shard`` (not null),
+                   from their ``shard.*`` lines: one shard of the plugin loop changed owner.
 ``exit``           a replica process ended: instance, code, at.
 ``observer_gap``   source, start, end: a witness that was not watching (the notify listener
                    reconnecting), so a publication it missed then is not a loss.
@@ -116,6 +118,10 @@ class Meta:
     frozen_window: float = 1.0
     # Work may look this much early (timestamps from two clocks of one host).
     early_tolerance: float = 0.05
+    # Sharded leadership of the plugin loop: the shard count (1: one leader), and each
+    # task's shard where the harness could ask the database (records carry theirs too).
+    shards: int = 1
+    task_shards: Mapping[str, int] = field(default_factory=dict)
     sources: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_SOURCES))
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -250,6 +256,7 @@ class Run:
     start: float
     end: float | None  # None: not known
     outcome: str
+    shard: int | None = None  # the shard its record names (sharded leadership)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -277,9 +284,10 @@ class Run:
         what = self.task or self.kind
         slot = f" slot {clock(self.slot_time)}" if self.slot else ""
         end = clock(self.end) if self.end is not None and self.outcome != "abandoned" else "?"
+        shard = f", shard {self.shard}" if self.shard is not None else ""
         return (
             f"{self.loop} {what}{slot} by {self.instance} ({self.kind}, {self.source} record, "
-            f"token {self.token}) [{clock(self.start)}, {end}] {self.outcome}"
+            f"token {self.token}{shard}) [{clock(self.start)}, {end}] {self.outcome}"
         )
 
 
@@ -292,6 +300,7 @@ class LeaderEvent:
     event: str
     at: float
     token: int | None = None
+    shard: int | None = None  # a shard of the loop changed owner (None: the whole loop)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -299,7 +308,8 @@ class LeaderEvent:
         _expect("leader event", self.event, LEADER_EVENTS)
 
     def describe(self) -> str:
-        return f"{self.instance} {self.event} {self.loop} (token {self.token}) at {clock(self.at)}"
+        what = self.loop if self.shard is None else f"{self.loop} shard {self.shard}"
+        return f"{self.instance} {self.event} {what} (token {self.token}) at {clock(self.at)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,6 +447,7 @@ class History:
                     start=start,
                     end=end,
                     outcome=effect.outcome,
+                    shard=effect.extra.get("shard"),
                     extra={"run": effect.run, "pid": effect.pid},
                 )
             )

@@ -32,6 +32,14 @@ two bad links of one link (the first heal would end the second early), two SIGST
 first SIGCONT would end the second), anything aimed at a process that a kill or a restart
 is already taking down. A conflicting inner fault goes to another replica
 (:func:`choose_replica`), and the history says where it was aimed.
+
+Two faults change the cluster's membership, as an autoscaler or a rolling deploy does: a
+*scale_up* starts a process on one of two spare replicas (a fresh instance id; it joins,
+and with sharded leadership takes shards over) and stops it gracefully after its hold; a
+*scale_down* SIGTERMs a replica (a graceful leave: its shards or its lock are handed
+over) and starts it again only after its hold. At least ``MIN_RUNNING`` replicas stay
+running, and at most the configured count + ``SPARES`` run. A joined replica is a replica
+like the others while it runs: an inner fault may kill, freeze or cut it.
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ FaultKind = Literal[
     "failover_sync",
     "failover_async",
     "clock_skew",
+    "scale_up",
+    "scale_down",
 ]
 ALL_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
 
@@ -68,24 +78,37 @@ WEIGHTS: dict[FaultKind, float] = {
     "failover_sync": 1,
     "failover_async": 1,
     "clock_skew": 1,
+    "scale_up": 2,
+    "scale_down": 2,
 }
 
-# Faults of one replica's process, of its link, and of PostgreSQL itself.
-PROCESS_FAULTS: frozenset[FaultKind] = frozenset({"sigkill", "sigterm", "sigstop", "clock_skew"})
+# Faults of one replica's process, of its link, and of PostgreSQL itself. A scale_down is
+# a SIGTERM whose replica stays away for the hold (a graceful leave, and a rejoin after);
+# a scale_up starts a process on a spare replica (a join) and stops it after the hold.
+PROCESS_FAULTS: frozenset[FaultKind] = frozenset(
+    {"sigkill", "sigterm", "sigstop", "clock_skew", "scale_down"}
+)
 LINK_FAULTS: frozenset[FaultKind] = frozenset({"partition", "netem"})
 DATABASE_FAULTS: frozenset[FaultKind] = frozenset(
     {"pg_restart_fast", "pg_restart_immediate", "failover_sync", "failover_async"}
 )
+# Faults that change how many replicas run: the cluster's membership.
+MEMBERSHIP_FAULTS: frozenset[FaultKind] = frozenset({"scale_up", "scale_down"})
 # Faults aimed at one replica: at the leader of a loop most of the time (that is where a
-# fault can break a promise), at any replica otherwise.
-REPLICA_FAULTS: frozenset[FaultKind] = PROCESS_FAULTS | LINK_FAULTS
-# Process faults that end the process they hit (and start another).
-ENDS_PROCESS: frozenset[FaultKind] = frozenset({"sigkill", "sigterm", "clock_skew"})
+# fault can break a promise), at any replica otherwise; a scale_up at a spare one.
+REPLICA_FAULTS: frozenset[FaultKind] = PROCESS_FAULTS | LINK_FAULTS | {"scale_up"}
+# Process faults that end the process they hit (and start another, at once or after the
+# hold).
+ENDS_PROCESS: frozenset[FaultKind] = frozenset({"sigkill", "sigterm", "clock_skew", "scale_down"})
+# Membership bounds: a scale_down never leaves fewer than MIN_RUNNING replicas running;
+# a scale_up adds one of SPARES replicas kept for it (at most the configured count + 2).
+MIN_RUNNING = 2
+SPARES = 2
 
 # How likely an episode is a pair of overlapping faults rather than one fault.
 OVERLAP = 0.4
 
-Target = Literal["leader:publish", "leader:plugin", "random", "postgres", "outer"]
+Target = Literal["leader:publish", "leader:plugin", "random", "postgres", "outer", "spare"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +121,7 @@ class Intent:
 
     at: float
     kind: FaultKind
-    target: Target  # "outer": the replica the outer fault hit
+    target: Target  # "outer": the replica the outer fault hit; "spare": one not running
     pick: float  # in [0, 1): which replica when target is "random", or when retargeted
     duration: float  # how long the fault is held before it is healed (kind-specific)
     skew_minutes: float  # clock_skew only: the offset, signed
@@ -137,6 +160,7 @@ class ReplicaState:
     name: str
     alive: bool  # a process of it runs (and no fault is taking it down)
     active: tuple[FaultKind, ...] = ()  # the faults hitting it now
+    spare: bool = False  # kept for a scale_up, and no process of it runs now
 
 
 def choose_replica(
@@ -149,10 +173,20 @@ def choose_replica(
     A process fault needs a process to hit (a replica whose process is down or being taken
     down has none); a link fault can cut the link of such a replica too, but only when
     aimed at it (its next process then comes up behind the cut). Either composes with
-    what already hits the replica only as :func:`share_replica` says."""
+    what already hits the replica only as :func:`share_replica` says.
+
+    A scale_up starts a spare replica (one that is not running and nothing hits), chosen
+    by `pick`; a scale_down needs MIN_RUNNING replicas running besides the one it stops
+    (None otherwise: the fault is skipped, and the history says why)."""
+
+    if kind == "scale_up":
+        spares = [state.name for state in replicas if state.spare and not state.active]
+        return spares[min(int(pick * len(spares)), len(spares) - 1)] if spares else None
+    if kind == "scale_down" and sum(state.alive for state in replicas) - 1 < MIN_RUNNING:
+        return None
 
     def can(state: ReplicaState, aimed: bool) -> bool:
-        if not all(share_replica(active, kind) for active in state.active):
+        if state.spare or not all(share_replica(active, kind) for active in state.active):
             return False
         return state.alive or (aimed and kind in LINK_FAULTS)
 
@@ -252,9 +286,12 @@ def _intent(
     target: Target
     if kind not in REPLICA_FAULTS:
         target = "postgres"
+    elif kind == "scale_up":
+        target = "spare"
     elif outer is not None and outer.kind in REPLICA_FAULTS and share_replica(outer.kind, kind):
         # Aimed at the outer's replica about a quarter of the time: a fault of the link of a
-        # replica whose process is down, a kill of a partitioned or frozen leader. Aimed
+        # replica whose process is down, a kill of a partitioned or frozen leader, of a
+        # replica that has just joined (a scale_up's), a leave of a frozen one. Aimed
         # at a leader, it often lands there too (the lock has not moved yet) or on the
         # new leader (a second failure during the takeover).
         options: list[Target] = ["leader:publish", "leader:plugin", "random", "outer"]
@@ -280,6 +317,8 @@ def _duration(kind: FaultKind, rng: random.Random) -> float:
         "failover_sync": (0.0, 0.0),
         "failover_async": (0.0, 0.0),
         "clock_skew": (0.0, 0.0),  # the replica lives skewed until its next restart
+        "scale_up": (4.0, 15.0),  # one more replica, then it leaves (SIGTERM)
+        "scale_down": (4.0, 15.0),  # one fewer (SIGTERM), then it joins again
     }[kind]
     return round(rng.uniform(low, high), 2)
 
@@ -294,6 +333,10 @@ def _recovery(kind: FaultKind) -> float:
         "pg_restart_fast": 3.0,
         "pg_restart_immediate": 4.0,
         "sigstop": 4.0,
+        # The last membership change (the leave after a scale_up, the rejoin after a
+        # scale_down) is at the end of the hold: its rebalance has to finish.
+        "scale_up": 3.0,
+        "scale_down": 3.0,
     }.get(kind, 2.0)
 
 

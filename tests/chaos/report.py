@@ -11,6 +11,17 @@ bad link, a standby's fault. Where the replicas logged ``leader.acquired``, the 
 (fault start to the next acquisition by another instance) is reported beside it: the
 publish loop's next work also waits for the next publication due.
 
+With sharded leadership the unit of leadership is the shard: a fault's failover is
+counted per shard the faulted instance owned then (its ``shard.acquired`` lines), to the
+next work in that shard by another instance (and the takeover to that shard's next
+``shard.acquired`` by another instance); the timeline draws a row per shard.
+
+Membership faults: a *scale_down* is measured as any fault of the replica it stops (its
+loops or shards, handed over on its graceful leave). A *scale_up*'s time is its *join*:
+fault start to the first work by the instance it started (takeover: to its first
+acquisition of a loop or a shard); *kept* when the new member did no work within the
+fault's window (unsharded, a joining replica is a standby: that is the normal case).
+
 Faults in effect at once are listed as pairs, by their recorded windows (which kinds, how
 long together, whether the nemesis planned them as a pair), and drawn in red on the
 timeline's row of faults, in two lanes.
@@ -27,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos.checker import CheckResult, Stats, Violation, merge_spans
-from chaos.history import LOOPS, Fault, History, clock, overlapping_faults
+from chaos.checker import CheckResult, Stats, Violation, merge_spans, scope_of, task_shards
+from chaos.history import LOOPS, Fault, History, LeaderEvent, clock, overlapping_faults
 
 # Work by one instance with gaps shorter than this is drawn as one stretch of leadership.
 JOIN_GAP = 2.0
@@ -73,6 +84,7 @@ def summarize(history: History, result: CheckResult) -> dict[str, Any]:
             "seed": meta.seed,
             "duration": meta.duration,
             "replicas": meta.replicas,
+            "shards": meta.shards,
             "start": meta.start,
             "end": meta.end,
             "instances": sorted({r.instance for r in history.runs}),
@@ -177,15 +189,35 @@ def _listing(items: Sequence[Violation]) -> dict[str, Any]:
 # -- failover ----------------------------------------------------------------------------
 
 
+def scopes(history: History) -> list[str]:
+    """The units of leadership: the loops, or with sharded leadership the publish loop and
+    each shard of the plugin loop that anyone owned or worked in (``plugin shard 3``)."""
+    if history.meta.shards <= 1:
+        return list(LOOPS)
+    shards = task_shards(history)[0]
+    found = {f"plugin shard {e.shard}" for e in history.leaders if e.shard is not None}
+    found |= {scope_of(history, r, shards) for r in history.runs if r.loop == "plugin"}
+    return ["publish", *sorted(found, key=_natural)]
+
+
+def _in_scope(event: LeaderEvent, scope: str) -> bool:
+    if event.shard is not None:
+        return scope == f"{event.loop} shard {event.shard}"
+    return scope == event.loop
+
+
 def failover_times(history: History) -> dict[str, FailoverTimes]:
     work = _work(history)
     times: dict[str, FailoverTimes] = defaultdict(FailoverTimes)
     for fault in history.faults:
         entry = times[fault.kind]
         limit = fault.end + history.meta.recovery(fault.kind)
+        if fault.kind == "scale_up":
+            _join(history, work, fault, limit, entry)
+            continue
         led = False
-        for loop in LOOPS:
-            before = None if fault.on_database else _leader_at(history, work, loop, fault.start)
+        for scope in scopes(history):
+            before = None if fault.on_database else _leader_at(history, work, scope, fault.start)
             if not fault.on_database and not fault.hits(before):
                 continue
             led = True
@@ -193,7 +225,7 @@ def failover_times(history: History) -> dict[str, FailoverTimes]:
                 (
                     e.at
                     for e in history.leaders
-                    if e.loop == loop
+                    if _in_scope(e, scope)
                     and e.event == "acquired"
                     and e.instance != before
                     and fault.start < e.at <= limit
@@ -205,7 +237,7 @@ def failover_times(history: History) -> dict[str, FailoverTimes]:
             # After a fault of PostgreSQL every session is gone: work that began before
             # anyone was granted the lock again was claimed before the fault.
             since = taken if fault.on_database and taken is not None else fault.start
-            nxt = _next_work(work[loop], since, limit, other_than=before)
+            nxt = _next_work(work.get(scope, []), since, limit, other_than=before)
             if nxt is not None:
                 entry.failover.append(nxt - fault.start)
             else:
@@ -215,12 +247,43 @@ def failover_times(history: History) -> dict[str, FailoverTimes]:
     return dict(times)
 
 
+def _join(
+    history: History,
+    work: dict[str, list[tuple[float, str]]],
+    fault: Fault,
+    limit: float,
+    entry: FailoverTimes,
+) -> None:
+    """A scale_up: from its start to the new member's first acquisition and first work."""
+    joined = fault.instance
+    acquired = [
+        e.at
+        for e in history.leaders
+        if e.instance == joined and e.event == "acquired" and fault.start <= e.at <= limit
+    ]
+    if acquired:
+        entry.takeover.append(min(acquired) - fault.start)
+    began = [
+        t
+        for items in work.values()
+        for t, who in items[bisect_left(items, (fault.start, "")) :]
+        if who == joined and t <= limit
+    ]
+    if began:
+        entry.failover.append(min(began) - fault.start)
+    else:
+        entry.kept += 1
+
+
 def _work(history: History) -> dict[str, list[tuple[float, str]]]:
-    """When each piece of work began, by whom, per loop, in time order."""
-    work: dict[str, list[tuple[float, str]]] = {loop: [] for loop in LOOPS}
+    """When each piece of work began, by whom, per loop (per shard: see `scopes`), in time
+    order."""
+    shards = task_shards(history)[0]
+    work: dict[str, list[tuple[float, str]]] = {scope: [] for scope in scopes(history)}
     for run in history.runs:
         if run.did_work:
-            work[run.loop].append((run.start, run.instance))
+            scope = scope_of(history, run, shards)
+            work.setdefault(scope, []).append((run.start, run.instance))
     for effect in history.publish_effects:
         if effect.source != "notify" and effect.instance is not None:
             work["publish"].append((effect.at, effect.instance))
@@ -242,10 +305,11 @@ def _next_work(
 
 
 def _leader_at(
-    history: History, work: dict[str, list[tuple[float, str]]], loop: str, at: float
+    history: History, work: dict[str, list[tuple[float, str]]], scope: str, at: float
 ) -> str | None:
-    """Who led `loop` at `at`: by its log lines where there are any, else by its work."""
-    events = sorted((e for e in history.leaders if e.loop == loop), key=lambda e: e.at)
+    """Who led `scope` (a loop, or a shard) at `at`: by its log lines where there are any,
+    else by its work."""
+    events = sorted((e for e in history.leaders if _in_scope(e, scope)), key=lambda e: e.at)
     if events:
         leader = None
         for event in events:
@@ -256,7 +320,7 @@ def _leader_at(
             elif event.instance == leader:
                 leader = None
         return leader
-    earlier = [who for t, who in work[loop] if t <= at]
+    earlier = [who for t, who in work.get(scope, []) if t <= at]
     return earlier[-1] if earlier else None
 
 
@@ -288,10 +352,12 @@ def markdown(numbers: dict[str, Any], result: CheckResult, limit: int = 100) -> 
         "",
         "## Failover",
         "",
-        "Fault start to the next work by another instance in each loop the faulted replica "
-        "led (PostgreSQL faults: by any instance); *takeover* is to the next "
-        "`leader.acquired` by another instance; *kept*: no other instance worked within "
-        "the fault's window.",
+        "Fault start to the next work by another instance in each loop (sharded: each "
+        "shard) the faulted replica led (PostgreSQL faults: by any instance); *takeover* "
+        "is to the next `leader.acquired` (`shard.acquired`) by another instance; *kept*: "
+        "no other instance worked within the fault's window. A scale_up's is its join: "
+        "to the new member's first work (takeover: its first acquisition); kept: it did "
+        "no work in the window.",
         "",
         *_table(
             [
@@ -441,12 +507,13 @@ def _pairs(counts: dict[str, int]) -> str:
 
 
 def leader_spans(history: History) -> dict[str, list[tuple[str, float, float]]]:
-    """Per loop, (instance, start, end) of each leadership its log lines tell of: from
-    ``acquired`` to its ``released``/``lost``, its process's exit, or the next acquisition."""
+    """Per loop (shard), (instance, start, end) of each leadership its log lines tell of:
+    from ``acquired`` to its ``released``/``lost``, its process's exit, or the next
+    acquisition."""
     exits = {e.instance: e.at for e in history.exits}
-    spans: dict[str, list[tuple[str, float, float]]] = {loop: [] for loop in LOOPS}
-    for loop in LOOPS:
-        events = sorted((e for e in history.leaders if e.loop == loop), key=lambda e: e.at)
+    spans: dict[str, list[tuple[str, float, float]]] = {scope: [] for scope in scopes(history)}
+    for loop in spans:
+        events = sorted((e for e in history.leaders if _in_scope(e, loop)), key=lambda e: e.at)
         for index, event in enumerate(events):
             if event.event != "acquired":
                 continue
@@ -460,18 +527,19 @@ def leader_spans(history: History) -> dict[str, list[tuple[str, float, float]]]:
 
 
 def work_spans(history: History) -> dict[str, list[tuple[str, float, float]]]:
-    """Per loop, (instance, start, end) of stretches of work by one instance."""
+    """Per loop (shard), (instance, start, end) of stretches of work by one instance."""
+    shards = task_shards(history)[0]
     raw: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
     for run in history.runs:
         if run.did_work:
-            raw[(run.loop, run.instance)].append((run.start, run.work_end))
+            raw[(scope_of(history, run, shards), run.instance)].append((run.start, run.work_end))
     for effect in history.publish_effects:
         if effect.source != "notify" and effect.instance is not None:
             raw[("publish", effect.instance)].append((effect.at, effect.at))
-    spans: dict[str, list[tuple[str, float, float]]] = {loop: [] for loop in LOOPS}
+    spans: dict[str, list[tuple[str, float, float]]] = {scope: [] for scope in scopes(history)}
     for (loop, instance), items in raw.items():
         joined = merge_spans((a, b + JOIN_GAP) for a, b in items)
-        spans[loop] += [(instance, a, b - JOIN_GAP) for a, b in joined]
+        spans.setdefault(loop, []).extend((instance, a, b - JOIN_GAP) for a, b in joined)
     return spans
 
 
@@ -485,17 +553,17 @@ def draw_timeline(history: History, result: CheckResult, path: Path) -> None:
 
     meta = history.meta
     t0 = meta.start
-    rows = {loop: index for index, loop in enumerate(reversed(LOOPS))}
+    rows = {scope: index for index, scope in enumerate(reversed(scopes(history)))}
     leaders, work = leader_spans(history), work_spans(history)
     named = {i for spans in (leaders, work) for s in spans.values() for i, _, _ in s}
     instances = sorted(named, key=_natural)
     palette = [colormaps["tab20"](n) for n in range(20)]
     colour = {name: palette[n % len(palette)] for n, name in enumerate(instances)}
-    figure = Figure(figsize=(14, 4.2), layout="constrained")
+    figure = Figure(figsize=(14, 4.2 + 0.25 * max(0, len(rows) - 2)), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     for loop, y in rows.items():
-        for name, start, end in leaders[loop]:
+        for name, start, end in leaders.get(loop, []):
             axes.broken_barh(
                 [(start - t0, end - start)],
                 (y - 0.38, 0.76),
@@ -503,7 +571,7 @@ def draw_timeline(history: History, result: CheckResult, path: Path) -> None:
                 alpha=0.25,
                 linewidth=0,
             )
-        for name, start, end in work[loop]:
+        for name, start, end in work.get(loop, []):
             width = max(end - start, meta.duration / 1500)  # a moment stays visible
             axes.broken_barh(
                 [(start - t0, width)], (y - 0.18, 0.36), facecolors=colour[name], linewidth=0
@@ -527,7 +595,7 @@ def draw_timeline(history: History, result: CheckResult, path: Path) -> None:
         (result.allowed, "+", "darkorange"),
         (result.violations, "x", "red"),
     ):
-        points = [(v.at - t0, rows.get(v.loop or "", 0.5)) for v in items if v.at is not None]
+        points = [(v.at - t0, _row(rows, v)) for v in items if v.at is not None]
         if points:
             xs, ys = zip(*points, strict=True)
             axes.scatter(xs, ys, marker=marker, color=tint, s=70, zorder=5, linewidths=2)
@@ -555,6 +623,14 @@ def draw_timeline(history: History, result: CheckResult, path: Path) -> None:
         ncols=1 + len(handles) // 18,
     )
     figure.savefig(path, dpi=110)
+
+
+def _row(rows: dict[str, int], violation: Violation) -> float:
+    """A violation's row: its loop's, or (sharded) that of the first shard it names."""
+    found = re.search(r"plugin shard \d+", violation.explanation)
+    if found and found.group(0) in rows:
+        return rows[found.group(0)]
+    return rows.get(violation.loop or "", 0.5)
 
 
 def _natural(name: str) -> list[Any]:

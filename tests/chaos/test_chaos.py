@@ -1,10 +1,12 @@
 """The chaos suite: real replicas under a seeded nemesis, judged by the history checker.
 
 ``make test`` runs the short deterministic slice (fixed seeds, each about a minute, each
-guaranteed a partition, a primary failover and overlapping faults among its faults); ``make chaos SEED=…
-DURATION=… REPLICAS=…`` runs one long run with every fault kind (the soak). Every run
-leaves its directory (history, report, timeline picture, each replica's logs) behind; a
-failure names it.
+guaranteed a partition, a primary failover, a change of membership and overlapping faults
+among its faults); ``make chaos SEED=… DURATION=… REPLICAS=… SHARDS=…`` runs one long run
+with every fault kind (the soak), the plugin loop in SHARDS shards (default 1: one
+leader); ``make test-long`` runs a sharded run with replicas joining and leaving among the
+other faults. Every run leaves its directory (history, report, timeline picture, each
+replica's logs) behind; a failure names it.
 """
 
 from __future__ import annotations
@@ -25,14 +27,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Each seed of the slice is guaranteed these kinds and these overlapping (outer, inner)
 # pairs (more may be drawn): between them the slice covers a silent partition, both kinds
-# of primary failover, kills, stalls, a PostgreSQL crash and a skewed clock, and faults
-# that overlap: a SIGKILL during a partition, a SIGSTOP during a primary failover, a
-# SIGTERM during a partition and a clock step during a PostgreSQL crash, in about a minute
-# each.
+# of primary failover, kills, stalls, a PostgreSQL crash, a skewed clock and replicas
+# joining and leaving, and faults that overlap: a SIGKILL during a partition, a SIGSTOP
+# during a primary failover, a SIGTERM during a partition, a clock step during a
+# PostgreSQL crash and a leave while a new replica is there, in about a minute each.
 SLICE: dict[int, tuple[tuple[FaultKind, ...], tuple[tuple[FaultKind, FaultKind], ...]]] = {
     11: (
         ("partition", "failover_sync", "sigkill", "sigstop"),
-        (("partition", "sigkill"), ("failover_sync", "sigstop")),
+        (
+            ("partition", "sigkill"),
+            ("failover_sync", "sigstop"),
+            # A replica joins and another leaves while it is there (with three replicas a
+            # scale_down needs all three running besides: at least two stay).
+            ("scale_up", "scale_down"),
+        ),
     ),
     12: (
         ("partition", "failover_async", "pg_restart_immediate", "clock_skew", "sigterm"),
@@ -40,6 +48,8 @@ SLICE: dict[int, tuple[tuple[FaultKind, ...], tuple[tuple[FaultKind, FaultKind],
     ),
 }
 SLICE_SECONDS = 45.0
+# The slice's plugin loop runs in this many shards (1: one leader).
+SLICE_SHARDS = 1
 
 # The soak's pairs, each drawn at least once beside the random ones (every kind is too):
 # the incidents the nemesis was taught overlap for.
@@ -52,6 +62,7 @@ SOAK_PAIRS: tuple[tuple[FaultKind, FaultKind], ...] = (
     ("netem", "partition"),  # a bad link that then goes dead
     ("sigkill", "netem"),  # a restart onto a bad link
     ("pg_restart_immediate", "sigterm"),  # a graceful stop while PostgreSQL crashes
+    ("scale_up", "sigkill"),  # a replica that has just joined is killed
 )
 
 
@@ -76,6 +87,7 @@ def slice_config(seed: int, directory: Path) -> ChaosConfig:
         guaranteed=kinds,
         guaranteed_pairs=pairs,
         mean_gap=1.5,
+        shards=SLICE_SHARDS,
     )
 
 
@@ -99,19 +111,73 @@ def test_chaos_slice(seed: int, tmp_path: Path) -> None:
         workers = {run.instance for run in history.runs if run.loop == loop}
         assert len(workers) >= 2, f"only {workers} did {loop} work: {directory}"
     assert len(history.publications) >= 50, directory
+    if SLICE_SHARDS > 1:
+        assert_sharded(history, directory)
+
+
+def assert_sharded(history: History, directory: Path) -> None:
+    """The run really was sharded: Python records carry shards, several shards had work
+    and shards changed owner (the per-shard rules were exercised, not vacuous)."""
+    shards = {run.shard for run in history.runs if run.shard is not None}
+    assert len(shards) >= 2, (shards, directory)
+    owners: dict[int, set[str]] = {}
+    for event in history.leaders:
+        if event.shard is not None and event.event == "acquired":
+            owners.setdefault(event.shard, set()).add(event.instance)
+    moved = any(len(instances) > 1 for instances in owners.values())
+    assert moved, f"no shard ever changed owner: {directory}"
+
+
+# The sharded run of `make test-long`: replicas join and leave (and a new member is killed,
+# a frozen one leaves, a leaving one's shards move during a partition) among the faults.
+SHARDED_SEED = 31
+SHARDED_PAIRS: tuple[tuple[FaultKind, FaultKind], ...] = (
+    ("scale_up", "sigkill"),  # a member that has just joined is killed
+    ("sigstop", "scale_down"),  # a frozen member leaves
+    ("partition", "scale_up"),  # a member joins while another is cut off
+    ("scale_down", "failover_sync"),  # a member leaves while the primary fails over
+)
+
+
+@pytest.mark.chaos_long
+@pytest.mark.processes
+def test_chaos_sharded(tmp_path: Path) -> None:
+    """Sharded leadership (8 shards, 4 replicas) under every fault kind, with replicas
+    joining and leaving: no shard's work by two instances at once, each slot once, and
+    every shard's tokens only growing."""
+    directory = tmp_path / f"chaos-sharded-{SHARDED_SEED}"
+    config = ChaosConfig(
+        seed=SHARDED_SEED,
+        duration=150.0,
+        replicas=4,
+        directory=directory,
+        guaranteed=ALL_KINDS,
+        guaranteed_pairs=SHARDED_PAIRS,
+        shards=8,
+    )
+    history, _ = run_and_check(config)
+    assert_sharded(history, directory)
+    kinds = {fault.kind for fault in history.faults}
+    assert {"scale_up", "scale_down"} <= kinds, (kinds, directory)
 
 
 @pytest.mark.chaos_long
 @pytest.mark.processes
 def test_chaos_soak() -> None:
-    """``make chaos SEED=… DURATION=… REPLICAS=…``: every fault kind and the soak's pairs
-    of overlapping faults beside the random ones, a long run."""
+    """``make chaos SEED=… DURATION=… REPLICAS=… SHARDS=…``: every fault kind and the
+    soak's pairs of overlapping faults beside the random ones, a long run."""
     seed = int(os.environ.get("CHAOS_SEED") or time.time_ns() % 100_000)
     duration = float(os.environ.get("CHAOS_DURATION") or 300)
     replicas = int(os.environ.get("CHAOS_REPLICAS") or 5)
+    shards = int(os.environ.get("CHAOS_SHARDS") or 1)
     out = Path(os.environ.get("CHAOS_OUT") or ROOT / "chaos-runs")
-    directory = out / f"seed-{seed}-{int(duration)}s-{replicas}r-{time.strftime('%Y%m%dT%H%M%S')}"
-    print(f"chaos run: seed {seed}, {duration:g} s, {replicas} replicas -> {directory}")
+    sharded = f"-{shards}k" if shards > 1 else ""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    directory = out / f"seed-{seed}-{int(duration)}s-{replicas}r{sharded}-{stamp}"
+    print(
+        f"chaos run: seed {seed}, {duration:g} s, {replicas} replicas, {shards} shard(s) "
+        f"-> {directory}"
+    )
     config = ChaosConfig(
         seed=seed,
         duration=duration,
@@ -119,5 +185,8 @@ def test_chaos_soak() -> None:
         directory=directory,
         guaranteed=ALL_KINDS,
         guaranteed_pairs=SOAK_PAIRS,
+        shards=shards,
     )
-    run_and_check(config)
+    history, _ = run_and_check(config)
+    if shards > 1:
+        assert_sharded(history, directory)

@@ -708,3 +708,163 @@ def test_the_report_has_the_numbers_of_the_history(tmp_path: Path) -> None:
     assert "duplicate_publication" in report
     assert "publication 3" in report
     assert "| sigkill | 2 | 0.510 | 1.300 | 1.300 | 0.200 | 0 | 0 |" in report
+
+
+# -- sharded leadership: the rules are per shard ---------------------------------------------
+
+SHARDS = {"a": 0, "b": 1, "c": 0}  # four shards; tasks a and c share shard 0
+LEAVE = 29.5  # r1.1 leaves (scale_down); r2.1 takes shard 0 over 0.2 s later
+
+
+def shard_owner(shard: int, seconds: float) -> tuple[str, int]:
+    if shard == 1:
+        return ("r2.1", 11)
+    return ("r1.1", 10) if seconds < LEAVE else ("r2.1", 12)
+
+
+def crafted_sharded(**meta: Any) -> History:
+    """60 s, two replicas, four shards. Tasks a and c (shard 0) and b (shard 1) run every
+    second, a and b at the same moments: shard 0 on r1.1 (token 10) until it leaves at
+    29.5 s, then on r2.1 (token 12); shard 1 on r2.1 (token 11) throughout, so r1.1 and
+    r2.1 work at once all the time in different shards. Each run is seen by the daemon's
+    row (no shard) and the probe's record (its shard and that shard's token). The members'
+    own plugin ``leader.acquired`` lines carry tokens that mean nothing for work (r2.1's
+    is smaller than r1.1's)."""
+    base = Meta(
+        seed=9,
+        duration=60,
+        replicas=2,
+        start=T0,
+        end=at(60),
+        expected_slots=dict.fromkeys(SHARDS, 1.0),
+        lateness_bound=2.0,
+        recovery_allowance=3.0,
+        grace=5.0,
+        startup=4.5,
+        shards=4,
+        task_shards=SHARDS,
+    )
+    history = History(replace(base, **meta), final_locks=[])
+    history.faults.append(Fault("scale_down", "r1", at(LEAVE), at(45.0), "r1.1"))
+    history.exits.append(ProcessExit("r1.1", 0, at(LEAVE + 0.1)))
+    history.leaders += [
+        LeaderEvent("plugin", "r1.1", "acquired", at(0.4), 5),
+        LeaderEvent("plugin", "r2.1", "acquired", at(0.45), 3),
+        LeaderEvent("plugin", "r1.1", "acquired", at(0.5), 10, shard=0),
+        LeaderEvent("plugin", "r2.1", "acquired", at(0.6), 11, shard=1),
+        LeaderEvent("plugin", "r1.1", "released", at(LEAVE + 0.05), None, shard=0),
+        LeaderEvent("plugin", "r2.1", "acquired", at(LEAVE + 0.2), 12, shard=0),
+    ]
+    for n in range(2, 58):
+        for task, offset in (("a", 0.02), ("b", 0.03), ("c", 0.4)):
+            shard = SHARDS[task]
+            who, token = shard_owner(shard, n + offset)
+            start = at(n + offset)
+            history.runs += [
+                Run("plugin", task, iso(n), "record", "db", who, None, start - 0.01,
+                    start + 0.3, "succeeded"),
+                Run("plugin", task, iso(n), "async", "external", who, token, start,
+                    start + 0.28, "end", shard=shard),
+            ]  # fmt: skip
+    return history
+
+
+def sharded_run(task: str, slot: int, source: str) -> Callable[[Run], bool]:
+    return lambda r: r.task == task and r.slot == iso(slot) and r.source == source
+
+
+def test_a_clean_sharded_history_passes_with_shards_working_at_once() -> None:
+    history = crafted_sharded()
+    result = check(history)
+    assert result.ok, result.explain()
+    # The same work judged as one plugin leader: two instances at once all the time.
+    unsharded = check(replace(history, meta=replace(history.meta, shards=1, task_shards={})))
+    assert "overlap" in unsharded.kinds()
+
+
+def test_two_instances_in_one_shard_at_once_is_an_overlap_even_across_tasks() -> None:
+    """r2.1 runs task c's slot 20 (shard 0, at 20.4 s) while r1.1 owns shard 0, and r1.1's
+    run of task a's slot 20 goes on until 20.5 s: two tasks, one shard, two instances."""
+    history = crafted_sharded()
+    swap_run(history, sharded_run("a", 20, "external"), end=at(20.5))
+    swap_run(history, sharded_run("c", 20, "external"), instance="r2.1", token=None)
+    swap_run(history, sharded_run("c", 20, "db"), instance="r2.1")
+    text = only(check(history), "overlap", "plugin shard 0", "r1.1", "r2.1")
+    assert "plugin a slot" in text
+    assert "plugin c slot" in text
+
+
+def test_a_schedule_whose_shard_is_unknown_is_held_to_its_own_runs() -> None:
+    """Without the database's map and with no shard in any record, a task's runs by two
+    instances at once are still an overlap (its schedule's), other tasks' are not."""
+    history = crafted_sharded(task_shards={})
+    history.runs = [replace(r, shard=None) if r.task == "b" else r for r in history.runs]
+    result = check(history)
+    assert "overlap" not in result.kinds(), result.explain()
+    swap_run(history, sharded_run("b", 10, "external"), instance="r1.1", end=at(11.1))
+    swap_run(history, sharded_run("b", 10, "db"), instance="r1.1")
+    text = "\n".join(v.explanation for v in check(history).violations if v.kind == "overlap")
+    assert "plugin task b" in text
+
+
+def test_a_shard_token_going_backwards() -> None:
+    history = crafted_sharded()
+    swap_run(history, sharded_run("a", 40, "external"), token=11)
+    only(check(history), "token_regression", "plugin shard 0", "token 11", "token 12 is larger")
+
+
+def test_tokens_of_different_shards_are_not_compared() -> None:
+    """Shard 1's token 11 comes after shard 0's 12 all through the run's second half, and
+    the members' plugin leader lines go backwards: none of it is a regression."""
+    result = check(crafted_sharded())
+    assert "token_regression" not in result.kinds(), result.explain()
+
+
+def test_a_shard_token_given_to_two_owners() -> None:
+    history = crafted_sharded()
+    history.leaders = [
+        replace(e, token=10) if e.shard == 0 and e.instance == "r2.1" else e
+        for e in history.leaders
+    ]
+    history.runs = [replace(r, token=10) if r.token == 12 else r for r in history.runs]
+    only(check(history), "token_reused", "plugin shard 0", "same token 10", "r2.1")
+
+
+def test_a_run_in_another_shard_than_its_task() -> None:
+    history = crafted_sharded()
+    swap_run(history, sharded_run("b", 12, "external"), shard=3)
+    only(check(history), "wrong_shard", "task b", "shards [1, 3]", "shard 3")
+
+
+def test_a_sharded_run_record_without_its_shard() -> None:
+    history = crafted_sharded()
+    swap_run(history, sharded_run("b", 12, "external"), shard=None)
+    only(check(history), "wrong_shard", "1 Python run record", "carry no shard")
+
+
+def test_the_report_counts_failover_per_shard_and_the_join_of_a_new_member(
+    tmp_path: Path,
+) -> None:
+    history = crafted_sharded()
+    # r3.1 joins at 50 s (scale_up): it takes shard 2 at 50.6 s and works there at 51 s.
+    history.faults.append(Fault("scale_up", "r3", at(50.0), at(52.0), "r3.1"))
+    history.leaders.append(LeaderEvent("plugin", "r3.1", "acquired", at(50.6), 13, shard=2))
+    history.runs.append(
+        Run("plugin", "d", iso(51), "async", "external", "r3.1", 13, at(51.0), at(51.2),
+            "end", shard=2)
+    )  # fmt: skip
+    history = replace(history, meta=replace(history.meta, task_shards={**SHARDS, "d": 2}))
+    result = check(history)
+    paths = write_report(history, result, tmp_path / "report")
+    numbers = json.loads(paths["json"].read_text())
+    # r1.1 owned shard 0 (only) when it left at 29.5 s: r2.1 took it at 29.7 s and began
+    # its first run there at 30.01 s (the daemon's row of a's slot 30).
+    down = numbers["failover"]["scale_down"]
+    assert down["failover"]["count"] == 1
+    assert down["failover"]["max"] == pytest.approx(0.51)
+    assert down["takeover"]["max"] == pytest.approx(0.2)
+    up = numbers["failover"]["scale_up"]
+    assert up["failover"]["max"] == pytest.approx(1.0)
+    assert up["takeover"]["max"] == pytest.approx(0.6)
+    assert numbers["run"]["shards"] == 4
+    assert paths["timeline"].stat().st_size > 10_000

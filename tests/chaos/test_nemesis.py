@@ -22,6 +22,8 @@ from chaos.nemesis import (
     ALL_KINDS,
     DATABASE_FAULTS,
     LINK_FAULTS,
+    MEMBERSHIP_FAULTS,
+    MIN_RUNNING,
     PROCESS_FAULTS,
     FaultKind,
     Intent,
@@ -35,7 +37,14 @@ from chaos.nemesis import (
     share_replica,
 )
 from chaos.report import fault_lanes, write_report
-from chaos.test_chaos import SLICE, SLICE_SECONDS, SOAK_PAIRS, slice_config
+from chaos.test_chaos import (
+    SHARDED_PAIRS,
+    SHARDED_SEED,
+    SLICE,
+    SLICE_SECONDS,
+    SOAK_PAIRS,
+    slice_config,
+)
 from chaos.test_checker import at, crafted, plugin_run, swap_run
 
 SOAK = 1800.0
@@ -90,6 +99,7 @@ def test_episodes_are_one_fault_or_two_that_overlap_one_after_another(seed: int)
         previous_recovery = max(_recovery(intent.kind) for intent in group)
     for intent in intents:
         assert (intent.target == "postgres") == (intent.kind in DATABASE_FAULTS)
+        assert (intent.target == "spare") == (intent.kind == "scale_up")
         assert 0 <= intent.pick < 1
         assert (intent.skew_minutes != 0) == (intent.kind == "clock_skew")
 
@@ -111,7 +121,7 @@ def test_every_pair_of_kinds_but_two_faults_of_postgresql_is_drawn_in_either_ord
     drawn = {pair for seed in range(60) for pair in planned_pairs(soak_plan(seed))}
     possible = {(a, b) for a, b in itertools.product(ALL_KINDS, repeat=2) if may_overlap(a, b)}
     assert drawn == possible
-    assert len(possible) == 100 - 16
+    assert len(possible) == 12 * 12 - 16
 
 
 def test_guaranteed_pairs_are_drawn_first_and_their_kinds_need_no_fault_alone() -> None:
@@ -141,6 +151,13 @@ def test_the_slice_plans_its_guarantees_within_its_length(seed: int, tmp_path: P
     assert set(pairs) <= set(planned_pairs(intents))
 
 
+def test_the_sharded_run_plans_every_kind_and_its_membership_pairs() -> None:
+    intents = plan(SHARDED_SEED, 150.0, ALL_KINDS, guaranteed=ALL_KINDS,
+                   guaranteed_pairs=SHARDED_PAIRS)  # fmt: skip
+    assert {intent.kind for intent in intents} == set(ALL_KINDS)
+    assert set(SHARDED_PAIRS) <= set(planned_pairs(intents))
+
+
 def test_the_soak_plans_every_kind_and_its_pairs() -> None:
     intents = plan(2028, SOAK, ALL_KINDS, guaranteed=ALL_KINDS, guaranteed_pairs=SOAK_PAIRS)
     assert {intent.kind for intent in intents} == set(ALL_KINDS)
@@ -166,12 +183,15 @@ def test_the_soak_plans_every_kind_and_its_pairs() -> None:
         ("sigstop", "sigkill", True),
         ("sigstop", "sigterm", True),
         ("sigstop", "clock_skew", True),
+        ("sigstop", "scale_down", True),  # a frozen replica leaves (SIGCONT, SIGTERM)
         ("sigstop", "sigstop", False),
         *(
             (a, b, False)
-            for a in ("sigkill", "sigterm", "clock_skew")
+            for a in ("sigkill", "sigterm", "clock_skew", "scale_down")
             for b in sorted(PROCESS_FAULTS)
         ),
+        # A replica a scale_up started is a replica like any other while it runs.
+        *(("scale_up", b, True) for b in sorted(PROCESS_FAULTS | LINK_FAULTS)),
     ],
 )
 def test_which_faults_may_hit_one_replica_at_once(
@@ -209,7 +229,7 @@ def test_a_fault_that_would_undo_another_goes_elsewhere_by_its_pick() -> None:
 
 def test_a_process_being_taken_down_is_no_target_but_its_link_is_when_aimed_at() -> None:
     down = [ReplicaState("r1", alive=False, active=("sigkill",)), ReplicaState("r2", True)]
-    for kind in PROCESS_FAULTS:
+    for kind in PROCESS_FAULTS - {"scale_down"}:  # (which would leave fewer than two)
         assert choose_replica(kind, "r1", 0.0, down) == "r2"
     # Its link cut while it is down: its next process comes up behind the cut.
     assert choose_replica("partition", "r1", 0.0, down) == "r1"
@@ -318,3 +338,67 @@ def test_the_report_shows_overlapping_faults(tmp_path: Path) -> None:
     assert "sigkill of r2.1 at" in report
     assert "(not planned as a pair)" in report
     assert paths["timeline"].stat().st_size > 10_000
+
+
+# -- membership: scale_up and scale_down ------------------------------------------------------
+
+FIVE = [ReplicaState(f"r{n}", alive=True) for n in (1, 2, 3)] + [
+    ReplicaState("r4", alive=False, spare=True),
+    ReplicaState("r5", alive=False, spare=True),
+]
+
+
+def test_a_scale_up_starts_a_spare_replica_never_a_running_one() -> None:
+    assert choose_replica("scale_up", None, 0.0, FIVE) == "r4"
+    assert choose_replica("scale_up", None, 0.99, FIVE) == "r5"
+    assert choose_replica("scale_up", "r1", 0.0, FIVE) == "r4"  # never where it was aimed
+    # A spare already being started by the other fault of the pair: the other spare.
+    starting = [*FIVE[:3], ReplicaState("r4", False, ("scale_up",), spare=True), FIVE[4]]
+    assert choose_replica("scale_up", None, 0.0, starting) == "r5"
+    # Both spares running (the configured count + 2): nothing more is started.
+    assert choose_replica("scale_up", None, 0.5, FIVE[:3]) is None
+
+
+def test_no_other_fault_hits_a_spare_that_is_not_running() -> None:
+    for kind in sorted(PROCESS_FAULTS | LINK_FAULTS):
+        assert choose_replica(kind, "r4", 0.99, FIVE) in ("r1", "r2", "r3")
+
+
+def test_a_scale_down_leaves_at_least_two_replicas_running() -> None:
+    assert MIN_RUNNING == 2
+    assert choose_replica("scale_down", "r2", 0.0, FIVE) == "r2"
+    one_down = [ReplicaState("r1", False, ("scale_down",)), *FIVE[1:]]
+    assert choose_replica("scale_down", "r1", 0.0, one_down) is None  # two left: no
+    assert choose_replica("scale_down", "r2", 0.0, one_down) is None
+    # A replica that a scale_up added counts: four running, one may leave.
+    joined = [*one_down[:3], ReplicaState("r4", True, ("scale_up",)), FIVE[4]]
+    assert choose_replica("scale_down", "r4", 0.0, joined) == "r4"
+    # A frozen replica may leave (a SIGTERM continues it first); a leaving one not twice.
+    frozen = [ReplicaState("r1", True, ("sigstop",)), *FIVE[1:]]
+    assert choose_replica("scale_down", "r1", 0.0, frozen) == "r1"
+    assert choose_replica("scale_down", "r1", 0.0, joined) == "r2"
+
+
+def test_membership_faults_are_drawn_and_aimed_as_the_nemesis_says() -> None:
+    intents = [intent for seed in range(10) for intent in soak_plan(seed)]
+    for kind in MEMBERSHIP_FAULTS:
+        mine = [intent for intent in intents if intent.kind == kind]
+        assert len(mine) > 20, kind
+        assert all(4.0 <= intent.duration <= 15.0 for intent in mine)
+    ups = [intent for intent in intents if intent.kind == "scale_up"]
+    assert {intent.target for intent in ups} == {"spare"}
+    downs = [intent for intent in intents if intent.kind == "scale_down"]
+    assert {intent.target for intent in downs} >= {"leader:publish", "leader:plugin", "random"}
+    # An inner fault aimed at the replica a scale_up just added: a kill of a new member.
+    pairs = [group for seed in range(30) for group in episodes(soak_plan(seed)) if len(group) == 2]
+    assert any(o.kind == "scale_up" and i.target == "outer" for o, i in pairs)
+    assert not any(i.kind == "scale_up" and i.target != "spare" for _, i in pairs)
+    # Membership faults are about a sixth of the draws (weights 2 + 2 of 23).
+    share = sum(intent.kind in MEMBERSHIP_FAULTS for intent in intents) / len(intents)
+    assert 0.1 < share < 0.25
+
+
+def test_a_plan_without_membership_faults_draws_none() -> None:
+    kinds = [kind for kind in ALL_KINDS if kind not in MEMBERSHIP_FAULTS]
+    intents = plan(4, SOAK, kinds)
+    assert not {intent.kind for intent in intents} & MEMBERSHIP_FAULTS

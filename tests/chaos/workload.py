@@ -15,6 +15,11 @@ Plugin loop
     loop's token), an async Python target and a sync Python target (worker process), both
     writing wall-clock records outside the database (``scheduler_sample_plugin.effects``).
     The daemon's own ``scheduler_plugin_runs`` rows are the database's view of every run.
+    With sharded leadership (``SCHEDULER_PLUGIN__SHARDS`` > 1) the workload adds async
+    tasks (``shard_probe_<n>``) so that the schedules spread over the shards, each Python
+    record carries its run's shard (``ctx.shard``) and that shard's token, and the SQL task
+    reads its own shard's token (``plugin/<shard>``, its shard computed as the daemon
+    does, by ``scheduler_shard_hash``).
 
 The feeder and the listener run in one thread with their own event loop and reconnect
 through every fault; a request whose outcome is unknown (the connection died during the
@@ -71,11 +76,12 @@ AUDIT_STATEMENT = (
 )
 
 # In a fenced transaction of the plugin leader: an interval of database time, held open
-# 50 ms, with the slot (its run row was claimed, `running`, just before) and the token.
+# 50 ms, with the slot (its run row was claimed, `running`, just before) and the token of
+# `fence` (the plugin loop's row; sharded, the row of the SQL task's own shard).
 SQL_TASK = (
     "INSERT INTO chaos_sql_runs (instance, token, slot, started) VALUES "
     "(current_setting('application_name'), "
-    "(SELECT token FROM scheduler_fencing WHERE loop = 'plugin'), "
+    "(SELECT token FROM scheduler_fencing WHERE loop = {fence}), "
     "(SELECT max(slot) FROM scheduler_plugin_runs WHERE name = 'sql_probe' "
     "AND status = 'running'), clock_timestamp()); "
     "SELECT pg_sleep(0.05); "
@@ -83,19 +89,53 @@ SQL_TASK = (
     "WHERE id = currval('chaos_sql_runs_id_seq')"
 )
 
-TASKS: tuple[Mapping[str, str], ...] = (
-    {"name": "sql_probe", "every": "1s", "sql": SQL_TASK, "timeout": "10s"},
-    {"name": "async_probe", "every": "0.5s", "target": EFFECTS_TARGETS["async"], "timeout": "10s"},
-    {"name": "sync_probe", "every": "1s", "target": EFFECTS_TARGETS["sync"], "timeout": "10s"},
+
+def sql_task(shards: int = 1) -> str:
+    """The SQL task's statement for a deployment of `shards` shards."""
+    if shards <= 1:
+        return SQL_TASK.format(fence="'plugin'")
+    return SQL_TASK.format(fence=f"'plugin/' || (scheduler_shard_hash('sql_probe') % {shards})")
+
+
+# The SQL statement that says which shard each task is in (the daemon's own rule).
+SHARD_OF_TASKS = (
+    "SELECT name, scheduler_shard_hash(name) % $2 AS shard FROM unnest($1::text[]) AS name"
 )
 
-# The period of each task, in seconds, for the checker's expected slots.
-TASK_PERIODS: Mapping[str, float] = {"sql_probe": 1.0, "async_probe": 0.5, "sync_probe": 1.0}
+
+def tasks(shards: int = 1, extra_tasks: int = 0) -> list[dict[str, str]]:
+    """The three probes, and `extra_tasks` async ones (every second) to fill the shards."""
+    declared = [
+        {"name": "sql_probe", "every": "1s", "sql": sql_task(shards), "timeout": "10s"},
+        {"name": "async_probe", "every": "0.5s", "target": EFFECTS_TARGETS["async"],
+         "timeout": "10s"},
+        {"name": "sync_probe", "every": "1s", "target": EFFECTS_TARGETS["sync"], "timeout": "10s"},
+    ]  # fmt: skip
+    declared += [
+        {"name": f"shard_probe_{n}", "every": "1s", "target": EFFECTS_TARGETS["async"],
+         "timeout": "10s"}
+        for n in range(1, extra_tasks + 1)
+    ]  # fmt: skip
+    return declared
 
 
-def replica_env(url: str, instance: str, effects_log: Path) -> dict[str, str]:
-    """Both loops, the three publishers and the three tasks; timings as the rig's
-    FAST_TIMINGS plus short loop intervals (the caller adds those)."""
+def task_periods(extra_tasks: int = 0) -> dict[str, float]:
+    """The period of each task, in seconds, for the checker's expected slots."""
+    periods = {"sql_probe": 1.0, "async_probe": 0.5, "sync_probe": 1.0}
+    periods |= {f"shard_probe_{n}": 1.0 for n in range(1, extra_tasks + 1)}
+    return periods
+
+
+TASK_PERIODS: Mapping[str, float] = task_periods()
+
+
+def replica_env(
+    url: str, instance: str, effects_log: Path, *, shards: int = 1, extra_tasks: int = 0
+) -> dict[str, str]:
+    """Both loops, the three publishers and the tasks; timings as the rig's FAST_TIMINGS
+    plus short loop intervals (the caller adds those); `shards` shards of the plugin loop
+    (1: one leader, the daemon's default, not set)."""
+    sharding = {"SCHEDULER_PLUGIN__SHARDS": str(shards)} if shards > 1 else {}
     return {
         "SCHEDULER_DATABASE_URL": url,
         "SCHEDULER_INSTANCE_ID": instance,
@@ -106,12 +146,13 @@ def replica_env(url: str, instance: str, effects_log: Path) -> dict[str, str]:
         "SCHEDULER_PUBLISH__SQL__PARAMS": '["id", "key"]',
         "SCHEDULER_PUBLISH__NOTIFY__CHANNEL": NOTIFY_CHANNEL,
         "SCHEDULER_PLUGIN__INTERVAL": "0.2",
-        "SCHEDULER_PLUGIN__TASKS": json.dumps(list(TASKS)),
+        "SCHEDULER_PLUGIN__TASKS": json.dumps(tasks(shards, extra_tasks)),
         "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
         # Every run row stays for the checker (the default keeps the last 1,000 per task).
         "SCHEDULER_PLUGIN__HISTORY": "1000000",
         "EFFECTS_PUBLISH_SECONDS": "0.02",
         **effects_env(effects_log, 0.15),
+        **sharding,
     }
 
 

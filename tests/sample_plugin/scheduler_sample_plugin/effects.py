@@ -4,9 +4,9 @@ Each run of a probe appends JSON lines to the file named by ``$EFFECTS_LOG``: a
 ``start``, a ``beat`` every ~10 ms while it works, and an ``end`` (``cancelled`` when it
 was stopped). A run killed outright (SIGKILL) leaves no end; its last beat says, within
 10 ms, when it stopped. Every line carries the instance, the process id and the fencing
-token, so a checker (tests/rig/effects.py) can prove that no two replicas worked at once
-and that the tokens never went backwards — with records that exist whether or not any
-database transaction committed.
+token (and a plugin run's shard), so a checker (tests/rig/effects.py) can prove that no
+two replicas worked at once and that the tokens never went backwards — with records that
+exist whether or not any database transaction committed.
 
 Three shapes of work, as users write them: an async target, a sync target (which the
 daemon runs in a worker process), a sync target that ignores cancellation, and a Python
@@ -58,8 +58,10 @@ class Recorder:
 
 
 def _recorder(ctx: Any, kind: str) -> Recorder:
+    # ``ctx.shard``: the run's shard with sharded leadership (its token is that shard's),
+    # None with one plugin leader (and on a daemon that predates shards).
     return Recorder("plugin", kind, ctx.instance, ctx.fencing_token, task=ctx.name,
-                    slot=ctx.slot.isoformat())  # fmt: skip
+                    slot=ctx.slot.isoformat(), shard=getattr(ctx, "shard", None))  # fmt: skip
 
 
 async def _work(record: Recorder, seconds: float, ctx: Any = None) -> None:
