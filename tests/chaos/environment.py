@@ -245,6 +245,22 @@ class ChaosDatabase:
             return False, None
         return True, str(rows[0]["instance"]) if rows else None
 
+    def shard_owners(self) -> tuple[bool, dict[int, str]]:
+        """(whether the server answered, the instance owning each shard of the plugin loop
+        now, as it sees it: sharded leadership's ``plugin/<shard>`` rows whose session
+        holds an advisory lock)."""
+        try:
+            rows = fetch(
+                self.admin_dsn,
+                "SELECT DISTINCT s.loop, s.instance FROM scheduler_leaders s JOIN pg_locks l "
+                "ON l.pid = s.backend_pid AND l.locktype = 'advisory' AND l.granted "
+                "WHERE s.loop LIKE 'plugin/%'",
+                timeout=2,
+            )
+        except Exception:
+            return False, {}
+        return True, {int(row["loop"].split("/", 1)[1]): str(row["instance"]) for row in rows}
+
     def advisory_locks(self) -> list[dict[str, Any]]:
         """Advisory locks held on the run's database by anyone at all."""
         rows = fetch(

@@ -25,6 +25,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -159,6 +160,7 @@ class ChaosRun:
         self._net_lock = threading.Lock()
         self._active: dict[str, dict[int, FaultKind]] = {}
         self._leaders: dict[str, str | None] = {}  # each loop's leader when last seen
+        self._shards_with_tasks: list[int] | None = None
         spares = SPARES if "scale_up" in config.kinds else 0
         self.replicas = [Replica(f"r{n + 1}", n) for n in range(config.replicas)]
         self.replicas += [
@@ -402,8 +404,18 @@ class ChaosRun:
 
     def _leader(self, loop: str) -> str | None:
         """Who holds `loop`'s lock, as the server says; while it cannot say (it is down:
-        a fault during a restart or a failover), who held it when it last could."""
-        answered, instance = self.db.lock_holder(loop)
+        a fault during a restart or a failover), who held it when it last could.
+
+        Sharded, the plugin loop has a leader per shard: its "leader" is then the member
+        owning the most shards that have tasks (the most plugin work)."""
+        if loop == "plugin" and self.config.shards > 1:
+            answered, owners = self.db.shard_owners()
+            busy = set(self._busy_shards())
+            counts = Counter(who for shard, who in owners.items() if shard in busy)
+            top = max(counts, key=lambda who: (counts[who], who), default=None)
+            instance = top
+        else:
+            answered, instance = self.db.lock_holder(loop)
         with self._lock:
             if answered:
                 self._leaders[loop] = instance
@@ -621,6 +633,15 @@ class ChaosRun:
         history.add_effects(read_effects(self.effects_log), skews, publication_id=_key_order)
         history.dump(path)
         return path
+
+    def _busy_shards(self) -> list[int]:
+        """The shards that have tasks (asked once)."""
+        if self._shards_with_tasks is None:
+            try:
+                self._shards_with_tasks = sorted(set(self._task_shards().values()))
+            except Exception:  # the server is down: ask again next time
+                return []
+        return self._shards_with_tasks
 
     def _task_shards(self) -> dict[str, int]:
         """Each task's shard, by the daemon's own rule in the database ({} unsharded)."""
