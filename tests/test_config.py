@@ -150,7 +150,15 @@ def test_lock_keys() -> None:
         ("nonsense = 1\n", {}, "nonsense"),
         ("[plugin]\n[[plugin.tasks]]\nname = 'a'\nevery = '1s'\n", {}, "plugin.tasks[a]"),
         ("[database]\npool_min_size = 9\npool_max_size = 2\n", {}, "database"),
+        ("[plugin]\nshards = 0\n", {}, "plugin.shards"),
+        ("", {"SCHEDULER_PLUGIN__SHARDS": "1025"}, "plugin.shards"),
         # A rule across sections names its keys itself, once.
+        (
+            "[plugin]\nshards = 4\n[lock]\nmode = 'transaction'\n",
+            {"SCHEDULER_DATABASE_URL": "postgresql://u@h/d"},
+            "plugin.shards",
+        ),
+        ("[plugin]\nshards = 4\n", {"SCHEDULER_DATABASE_URL": "sqlite:///x.db"}, "plugin.shards"),
         (
             "[database]\npool_min_size = 1\npool_max_size = 3\n[lock]\nmode = 'transaction'\n",
             {},

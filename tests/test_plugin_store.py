@@ -322,3 +322,55 @@ async def test_refuse_pauses_with_the_reason(store: Store) -> None:
     assert bool(row["paused"])
     assert row["last_status"] == "failed"
     assert "not runnable" in row["last_error"]
+
+
+async def test_a_sharded_scope_keeps_to_its_shards_while_their_tokens_are_current(
+    pg_url: str,
+) -> None:
+    """Sharded leadership's per-statement fencing (db/postgres.sql): a transaction scoped to
+    shards reads and claims their schedules only, and a shard whose token is no longer
+    its current one (a new owner drew another) gets nothing claimed, recorded or
+    abandoned, whatever the connection holds."""
+    from scheduler_daemon.db.base import ShardScope
+
+    async with Client.connect(Settings(database_url=pg_url)) as client:
+        store = client.store
+        now = await now_of(store)
+        for i in range(40):
+            await add(store, f"s{i}", now - timedelta(seconds=5))
+        found = await rows(
+            store, "SELECT name, shard_hash % 4 AS shard FROM scheduler_plugin_tasks"
+        )
+        shard_of = {row["name"]: row["shard"] for row in found if row["name"].startswith("s")}
+        assert set(shard_of.values()) == {0, 1, 2, 3}, "40 names fall into every shard"
+        async with store.transaction() as tx:
+            for shard, token in ((0, 10), (1, 20), (2, 30), (3, 40)):
+                await tx.run(
+                    "INSERT INTO scheduler_fencing (loop, token, instance, epoch) "
+                    "VALUES ($1, $2, 'test', 0)",
+                    f"plugin/{shard}",
+                    token,
+                )
+
+        async with store.transaction() as tx:
+
+            def scoped(tokens: dict[int, int]) -> PluginStore:
+                tx.shards = ShardScope(4, tokens)
+                return PluginStore(tx)
+
+            due = await scoped({0: 10, 1: 20}).due(100)
+            assert {d.name for d in due.due} == {n for n, s in shard_of.items() if s in (0, 1)}
+            assert all(d.shard == shard_of[d.name] for d in due.due)
+            # Shard 1's token is 21 now: another owner took it.
+            await tx.run("UPDATE scheduler_fencing SET token = 21 WHERE loop = 'plugin/1'")
+            claims = [
+                Claim(d.name, d.next_run_at, now + timedelta(hours=1), run_slot=d.next_run_at)
+                for d in due.due
+            ]
+            claimed = await scoped({0: 10, 1: 20}).claim("me", claims)
+            assert claimed, "shard 0 claims"
+            assert {c.name for c in claimed} == {n for n, s in shard_of.items() if s == 0}
+            results = [RunResult(c.id, c.name, "succeeded", None, now) for c in claimed]
+            assert await scoped({0: 11}).finish(results, 5) == [], "shard 0's token is 10"
+            assert await scoped({0: 11}).abandon("gone", []) == []
+            assert len(await scoped({0: 10}).finish(results, 5)) == len(results)

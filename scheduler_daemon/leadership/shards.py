@@ -477,7 +477,8 @@ class ShardedSessionGuard(SessionGuard):
             lease.rebalance.clear()
             why, lease.rebalance_reason = lease.rebalance_reason, None
             try:
-                settled = await self._step(lease, why or reason)
+                # Its first shards are the member's joining, whoever's NOTIFY woke it.
+                settled = await self._step(lease, reason if reason == "join" else why or reason)
             except Exception as exc:
                 if not is_database_error(exc) or lease.lost.is_set():
                     raise

@@ -101,58 +101,99 @@ def read_effects(log: Path) -> list[EffectRun]:
     return runs
 
 
+def per_schedule(run: EffectRun) -> str:
+    """Sharded leadership's exclusion: per schedule (different schedules run at once on
+    different replicas, by design)."""
+    return f"{run.loop} schedule {run.extra.get('task')}"
+
+
+def per_shard(run: EffectRun) -> str:
+    """Sharded leadership's tokens: each shard has its own."""
+    return f"{run.loop} shard {run.extra.get('shard')}"
+
+
 def check_effects(
     runs: Iterable[EffectRun],
     *,
     min_runs: int,
     min_instances: int = 1,
     allow: Callable[[EffectRun], bool] = lambda run: False,
+    exclusive: Callable[[EffectRun], str] = lambda run: run.loop,
+    tokens: Callable[[EffectRun], str] = lambda run: run.loop,
 ) -> EffectsSummary:
+    """``exclusive`` names the unit of work no two instances may do at once (a loop, or
+    with shards a schedule: :func:`per_schedule`), ``tokens`` the stream in which fencing
+    tokens only grow (:func:`per_shard`)."""
+    runs = list(runs)
     by_loop: dict[str, list[EffectRun]] = defaultdict(list)
     for run in runs:
         by_loop[run.loop].append(run)
     assert by_loop, "no effect records at all: the probe never ran, so nothing was checked"
     allowed: list[EffectRun] = []
     summary: dict[str, dict[str, int]] = {}
+    problems: list[tuple[str, tuple[EffectRun, ...]]] = []
+    for name, items in _grouped(runs, exclusive).items():
+        problems += [(f"{name}: {text}", who) for text, who in _overlaps(items)]
+    for name, items in _grouped(runs, tokens).items():
+        problems += [(f"{name}: {text}", who) for text, who in _regressions(items)]
+    unexcused = [message for message, who in problems if not any(map(allow, who))]
+    assert not unexcused, "\n  ".join(["", *unexcused])
+    for _, who in problems:
+        allowed += [run for run in who if allow(run) and run not in allowed]
     for loop, items in by_loop.items():
-        items.sort(key=lambda r: (r.start, r.end))
-        problems: list[tuple[str, tuple[EffectRun, ...]]] = []
-        # Overlap: each run against every earlier run still going when it started, kept
-        # per instance in a heap by end (a sweep: thousands of runs a second stay cheap).
-        going: dict[str, list[tuple[float, int, EffectRun]]] = defaultdict(list)
-        for index, current in enumerate(items):
-            for instance, heap in going.items():
-                while heap and heap[0][0] <= current.start:
-                    heapq.heappop(heap)
-                if instance == current.instance:
-                    continue
-                for _, _, earlier in sorted(heap, key=lambda entry: entry[1]):
-                    problems.append((
-                        f"{earlier.describe()} and {current.describe()}: "
-                        f"{earlier.end - current.start:.3f}s of work by two instances at once",
-                        (earlier, current),
-                    ))  # fmt: skip
-            heapq.heappush(going[current.instance], (current.end, index, current))
-        # Tokens: in start order, never smaller than one already seen.
-        highest: EffectRun | None = None
-        for current in items:
-            if current.token is None:
-                continue
-            if highest is not None and current.token < (highest.token or 0):
-                problems.append((
-                    f"{current.describe()} started after {highest.describe()}: "
-                    "its fencing token went backwards",
-                    (current,),
-                ))  # fmt: skip
-            if highest is None or current.token > (highest.token or 0):
-                highest = current
-        unexcused = [message for message, who in problems if not any(map(allow, who))]
-        assert not unexcused, f"loop {loop}:\n  " + "\n  ".join(unexcused)
-        for _, who in problems:
-            allowed += [run for run in who if allow(run) and run not in allowed]
         instances = [run.instance for run in items]
         summary[loop] = assert_enough(loop, instances, min_runs, min_instances, what="runs")
     return EffectsSummary(summary, allowed)
+
+
+def _grouped(
+    runs: Iterable[EffectRun], key: Callable[[EffectRun], str]
+) -> dict[str, list[EffectRun]]:
+    groups: dict[str, list[EffectRun]] = defaultdict(list)
+    for run in runs:
+        groups[key(run)].append(run)
+    for items in groups.values():
+        items.sort(key=lambda r: (r.start, r.end))
+    return groups
+
+
+def _overlaps(items: list[EffectRun]) -> list[tuple[str, tuple[EffectRun, ...]]]:
+    problems: list[tuple[str, tuple[EffectRun, ...]]] = []
+    # Overlap: each run against every earlier run still going when it started, kept
+    # per instance in a heap by end (a sweep: thousands of runs a second stay cheap).
+    going: dict[str, list[tuple[float, int, EffectRun]]] = defaultdict(list)
+    for index, current in enumerate(items):
+        for instance, heap in going.items():
+            while heap and heap[0][0] <= current.start:
+                heapq.heappop(heap)
+            if instance == current.instance:
+                continue
+            for _, _, earlier in sorted(heap, key=lambda entry: entry[1]):
+                problems.append((
+                    f"{earlier.describe()} and {current.describe()}: "
+                    f"{earlier.end - current.start:.3f}s of work by two instances at once",
+                    (earlier, current),
+                ))  # fmt: skip
+        heapq.heappush(going[current.instance], (current.end, index, current))
+    return problems
+
+
+def _regressions(items: list[EffectRun]) -> list[tuple[str, tuple[EffectRun, ...]]]:
+    """In start order, a token never smaller than one already seen."""
+    problems: list[tuple[str, tuple[EffectRun, ...]]] = []
+    highest: EffectRun | None = None
+    for current in items:
+        if current.token is None:
+            continue
+        if highest is not None and current.token < (highest.token or 0):
+            problems.append((
+                f"{current.describe()} started after {highest.describe()}: "
+                "its fencing token went backwards",
+                (current,),
+            ))  # fmt: skip
+        if highest is None or current.token > (highest.token or 0):
+            highest = current
+    return problems
 
 
 def _stamp(epoch: float) -> str:
