@@ -1,6 +1,7 @@
 """The image and the compose stack, run for real on a Docker engine.
 
-`docker compose up --scale scheduler=3` with the repository's compose file unchanged, and
+`docker compose up --scale scheduler=3` with the repository's compose file unchanged (its
+plugin loop sharded, `SCHEDULER_PLUGIN__SHARDS=12` in the environment compose reads), and
 the image on its own with the SQLite default on a volume, checked only through what a
 user has: `docker compose exec … scheduler-daemon status --json`, `docker kill`,
 `docker compose stop`, container health and exit codes. Where no engine runs (or the base
@@ -45,6 +46,7 @@ class Stack:
 
     project: str
     timings: dict[str, float]
+    env_file: Path | None = None  # what `docker compose` interpolates into the file
 
     def compose(
         self, *args: str, timeout: float = 120.0, check: bool = True
@@ -55,6 +57,7 @@ class Stack:
             str(ROOT),
             "-f",
             str(COMPOSE),
+            *(["--env-file", str(self.env_file)] if self.env_file is not None else []),
             "-p",
             self.project,
             *args,
@@ -84,10 +87,15 @@ class Stack:
         return out.stdout.strip()
 
 
+SHARDS = 12
+
+
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     _require_engine()
-    stack = Stack(project=unique_name("sdtest"), timings={})
+    env_file = tmp_path_factory.mktemp("compose") / "env"
+    env_file.write_text(f"SCHEDULER_PLUGIN__SHARDS={SHARDS}\n")
+    stack = Stack(project=unique_name("sdtest"), timings={}, env_file=env_file)
     started = time.monotonic()
     stack.compose("build", timeout=BUILD_TIMEOUT)
     stack.timings["build"] = time.monotonic() - started
@@ -117,7 +125,23 @@ def wait_until(what: str, check: Any, timeout: float, every: float = 0.25) -> An
 
 
 def leaders(report: dict[str, Any]) -> dict[str, str | None]:
-    return {loop: (info["leader"] or {}).get("instance") for loop, info in report["loops"].items()}
+    """The leader of each unsharded loop."""
+    return {
+        loop: (info["leader"] or {}).get("instance")
+        for loop, info in report["loops"].items()
+        if "members" not in info
+    }
+
+
+def spread(report: dict[str, Any], members: int) -> bool:
+    """The sharded plugin loop's shards all led, shared out fairly by `members` replicas."""
+    info = report["loops"]["plugin"]
+    balance = info["balance"]
+    return (
+        info["member_count"] == members
+        and balance["unled"] == 0
+        and balance["largest"] <= -(-SHARDS // members)
+    )
 
 
 def test_compose_scale_3_gives_healthy_replicas_one_leader_per_loop(stack: Stack) -> None:
@@ -135,17 +159,23 @@ def test_compose_scale_3_gives_healthy_replicas_one_leader_per_loop(stack: Stack
 
     def settled() -> dict[str, Any] | None:
         report = stack.status()
-        loops = report["loops"]
-        done = all(i["leader"] and len(i["standbys"]) == 2 for i in loops.values())
+        publish = report["loops"]["publish"]
+        done = publish["leader"] and len(publish["standbys"]) == 2 and spread(report, 3)
         return report if done else None
 
-    report = wait_until("one leader and two standbys per loop", settled, 60)
+    report = wait_until("one publish leader, two standbys, the shards spread", settled, 60)
     hostnames = {stack.inspect(c)["Config"]["Hostname"] for c in replicas}
-    for loop in ("publish", "plugin"):
-        info = report["loops"][loop]
-        members = {info["leader"]["instance"], *(s["instance"] for s in info["standbys"])}
+    publish = report["loops"]["publish"]
+    plugin = report["loops"]["plugin"]
+    for loop, members in (
+        ("publish", {publish["leader"]["instance"], *(s["instance"] for s in publish["standbys"])}),
+        ("plugin", {m["instance"] for m in plugin["members"] if m["shards"]}),
+    ):
         # The default instance id is "<hostname>-<pid>": one per container.
         assert {m.rsplit("-", 1)[0] for m in members} == hostnames, (loop, members)
+    shown = stack.compose("exec", "-T", "scheduler", "scheduler-daemon", "status").stdout
+    print(f"\n{shown}")  # README.md shows this (Deploy)
+    assert f"plugin     {SHARDS} shards over 3 members" in shown, shown
 
     # The preflight ran once, passed, and is not restarted.
     (preflight,) = stack.containers("preflight")
@@ -191,6 +221,7 @@ def test_docker_kill_of_the_leader_is_taken_over_and_stop_exits_0(stack: Stack) 
     after = wait_until("another replica leads publish", taken_over, 30, every=0.1)
     stack.timings["kill_to_new_leader_observed"] = time.monotonic() - killed_at
     assert after["publish"] != leader
+    wait_until("the survivors lead every shard", lambda: spread(stack.status(), 2), 30)
 
     survivors = [c for c in stack.containers() if not c.startswith(victim)]
     assert len(survivors) == 2
