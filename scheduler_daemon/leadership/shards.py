@@ -58,6 +58,7 @@ from ..db.postgres import (
 )
 from ..db.sqlfiles import queries
 from ..errors import describe
+from ..schema_gate import SchemaNewer
 from .assignment import Member, assign
 from .base import LeadershipLost, LeaseState, Stopping, heartbeat
 from .postgres_session import SessionGuard, SessionLease, session_keepalive_settings, settle
@@ -479,8 +480,12 @@ class ShardedSessionGuard(SessionGuard):
             try:
                 # Its first shards are the member's joining, whoever's NOTIFY woke it.
                 settled = await self._step(lease, reason if reason == "join" else why or reason)
+            except SchemaNewer:
+                break  # the loop hands over what it leads; take nothing meanwhile
             except Exception as exc:
-                if not is_database_error(exc) or lease.lost.is_set():
+                if self._ended(lease):
+                    return  # the lease's end showing through
+                if not is_database_error(exc):
                     raise
                 self.log.warning("shard.rebalance_failed", error=describe(exc))
                 settled = False
@@ -493,6 +498,13 @@ class ShardedSessionGuard(SessionGuard):
                 wait, retry = retry, min(retry * 2, RETRY_MAX)
             await wait_any([lease.rebalance, self.stop], wait)
         await asyncio.Future()  # stopping: take nothing more; cancelled with the lease
+
+    @staticmethod
+    def _ended(lease: MemberLease) -> bool:
+        """Whether the member lease is over (a failure on its connection may be the first
+        sign of it, before asyncpg's close callback has run)."""
+        lease._closed_already()
+        return lease.lost.is_set()
 
     async def _step(self, lease: MemberLease, reason: str) -> bool:
         view = await self._view()
@@ -595,7 +607,18 @@ class ShardedSessionGuard(SessionGuard):
 
     async def _hand_over(self, lease: MemberLease, shard: ShardLease, reason: str) -> None:
         """Give ``shard`` up: no more claims, its runs end (or are stopped), their results
-        written, its leader row deleted; then its lock goes, and the others hear of it."""
+        written, its leader row deleted; then its lock goes, and the others hear of it.
+        A hand-over that fails half-way ends the membership: the session goes, and every
+        lock with it, rather than a shard left held and led by nobody."""
+        try:
+            await self._give_up(lease, shard, reason)
+        except Exception as exc:
+            if self._ended(lease):
+                return
+            self.log.error("shard.handover_failed", shard=shard.shard, error=describe(exc))
+            lease.lose(f"handing shard {shard.shard} over failed: {describe(exc)}", gone=False)
+
+    async def _give_up(self, lease: MemberLease, shard: ShardLease, reason: str) -> None:
         started = time.monotonic()
         # A tick fenced for it before it was marked draining has started its runs by the
         # time it lets the connection go: they are the shard's work from here on.
@@ -640,6 +663,8 @@ class ShardedSessionGuard(SessionGuard):
             watched = lease.successor()
             if watched is None:
                 continue
+            if lease.lost.is_set():
+                return
             try:
                 if await self._outlived(lease, watched):
                     self.log.info("shard.member_gone", member=watched.name, backend_pid=watched.pid)
@@ -647,6 +672,8 @@ class ShardedSessionGuard(SessionGuard):
                     lease.rebalance.set()
                     await self._notify("member_gone")
             except Exception as exc:
+                if self._ended(lease):
+                    return
                 if not is_database_error(exc):
                     raise
                 self.log.debug("shard.watch_failed", error=describe(exc))

@@ -59,7 +59,7 @@ from ..db.plugin_store import (
     RunResult,
 )
 from ..errors import describe
-from ..leadership import Lease, PendingHold
+from ..leadership import LeadershipLost, Lease, PendingHold
 from ..logs import Logger
 from ..metrics import Metrics
 from ..plugins.context import TaskContext
@@ -258,7 +258,14 @@ class PluginWork:
             del self._orphans[run_id]
             self.unrecorded.discard(name)
         for lease, hold, group in holds:
-            self._start_batch(lease, hold, group, clock, tick.log)
+            try:
+                self._start_batch(lease, hold, group, clock, tick.log)
+            except LeadershipLost:
+                if lease is tick.lease:
+                    raise
+                # That shard was lost since the claim committed (the member goes on): its
+                # runs stay `running` for the shard's next owner to close, never run here.
+                tick.log.warning("shard.lost_before_start", runs=len(group))
         return wake
 
     @staticmethod
