@@ -706,6 +706,29 @@ def test_summarize_keeps_only_what_it_allows() -> None:
     }
 
 
+def test_summarize_a_sharded_loop_keeps_no_host_pid_or_address() -> None:
+    owner = {"shard": 0, "instance": "a", "host": "h", "pid": 1, "backend_pid": 9,
+             "since": "t", "fencing_token": 3, "changes": 2}  # fmt: skip
+    report = {
+        "loops": {
+            "plugin": {
+                "lock_key": 5, "shards": 2, "leader": None, "member_count": 1,
+                "members": [{"instance": "a", "backend_pid": 9, "shards": [0, 1]}],
+                "shard_owners": [owner, owner | {"shard": 1}],
+                "balance": {"led": 2, "unled": 0}, "owner_changes": 4,
+                "standbys": [], "standby_count": 0,
+            },
+        },
+    }  # fmt: skip
+    plugin = summarize(report)["loops"]["plugin"]
+    assert plugin["members"] == [{"instance": "a", "shards": [0, 1]}]
+    assert plugin["shard_owners"][1] == {
+        "shard": 1, "instance": "a", "since": "t", "fencing_token": 3, "changes": 2,
+    }  # fmt: skip
+    assert (plugin["shards"], plugin["member_count"], plugin["owner_changes"]) == (2, 1, 4)
+    assert plugin["balance"] == {"led": 2, "unled": 0}
+
+
 # -- the Grafana dashboard only queries what /metrics exposes ------------------------------
 
 _NAME = re.compile(r"\bscheduler_[a-zA-Z0-9_]*[a-zA-Z0-9]")

@@ -36,7 +36,7 @@ from rig.effects import (
     per_shard,
     read_effects,
 )
-from rig.processes import DaemonProcess, Daemons
+from rig.processes import DaemonProcess, Daemons, run_cli
 from rig.sql import fetch
 from rig.ticks import FAST_TIMINGS, PLUGIN_ONLY, event_time, stop_all, wait_for_event
 from rig.waiting import wait_until
@@ -155,6 +155,13 @@ def test_shards_keep_every_promise_per_schedule_through_join_leave_kill_and_free
     wait_for_event(r3, "leader.lost", after=frozen_at, loop="plugin", timeout=15)
     wait_for_event(r3, "shard.acquired", after=resumed_at, loop="plugin", timeout=30)
     taken["rejoin"] = all_led_by(pg_url, {"r3", "r4"}, "r3 rejoined")
+    # `status` reads the same from the lock manager, whatever its own config says.
+    shown = run_cli(["status", "--json"], {"SCHEDULER_DATABASE_URL": pg_url})
+    assert shown.returncode == 0, shown.stderr
+    plugin = json.loads(shown.stdout)["loops"]["plugin"]
+    assert (plugin["shards"], plugin["member_count"], plugin["balance"]["unled"]) == (SHARDS, 2, 0)
+    assert sorted(m["instance"] for m in plugin["members"]) == ["r3", "r4"]
+    assert {o["shard"]: o["instance"] for o in plugin["shard_owners"]} == owners(pg_url)
 
     # Another shard count never shares the loop: it waits, and says why.
     other = start("r5", shards=4)
