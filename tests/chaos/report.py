@@ -217,6 +217,8 @@ def failover_times(history: History) -> dict[str, FailoverTimes]:
             continue
         led = False
         for scope in scopes(history):
+            if scope.startswith("plugin shard") and not work.get(scope):
+                continue  # a shard with no tasks: nothing there to fail over
             before = None if fault.on_database else _leader_at(history, work, scope, fault.start)
             if not fault.on_database and not fault.hits(before):
                 continue
