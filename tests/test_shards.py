@@ -4,8 +4,8 @@ Replicas share 8 shards of 16 schedules (every 0.5 s, each run working 0.7 s out
 database and writing wall-clock records, ``scheduler_sample_plugin.effects``: a schedule's
 next slot falls due while its run still works, so a hand-over that did not wait for the
 runs in flight would show as an overlap) through a
-member joining, a graceful leave (SIGTERM), a SIGKILL, and a SIGSTOP long enough for the
-server to evict the frozen member. The records must show:
+member joining, a graceful leave (SIGTERM), a SIGKILL, a SIGSTOP long enough for the
+server to evict the frozen member, and a PostgreSQL restart. The records must show:
 
 - no schedule's runs overlapping across replicas (different schedules do run at once on
   different replicas: that is the point), except the frozen member's runs after it
@@ -36,6 +36,7 @@ from rig.effects import (
     per_shard,
     read_effects,
 )
+from rig.pgcluster import PgCluster
 from rig.processes import DaemonProcess, Daemons, run_cli
 from rig.sql import fetch
 from rig.ticks import FAST_TIMINGS, PLUGIN_ONLY, event_time, stop_all, wait_for_event
@@ -117,8 +118,8 @@ def mid_run(log: Path, instance: str) -> None:
     wait_until(going, 20, f"{instance} in the middle of a run")
 
 
-def test_shards_keep_every_promise_per_schedule_through_join_leave_kill_and_freeze(
-    pg_url: str, daemons: Daemons, tmp_path: Path
+def test_shards_keep_every_promise_per_schedule_through_join_leave_kill_freeze_and_restart(
+    pg_cluster: PgCluster, pg_url: str, daemons: Daemons, tmp_path: Path
 ) -> None:
     log = tmp_path / "effects.jsonl"
 
@@ -162,6 +163,11 @@ def test_shards_keep_every_promise_per_schedule_through_join_leave_kill_and_free
     assert (plugin["shards"], plugin["member_count"], plugin["balance"]["unled"]) == (SHARDS, 2, 0)
     assert sorted(m["instance"] for m in plugin["members"]) == ["r3", "r4"]
     assert {o["shard"]: o["instance"] for o in plugin["shard_owners"]} == owners(pg_url)
+    time.sleep(1.0)
+
+    pg_cluster.restart()  # every session ends: every member joins again, tokens move on
+    taken["pg_restart"] = all_led_by(pg_url, {"r3", "r4"}, "after a PostgreSQL restart", 60)
+    time.sleep(1.5)
 
     # Another shard count never shares the loop: it waits, and says why.
     other = start("r5", shards=4)
