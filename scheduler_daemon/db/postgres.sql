@@ -300,8 +300,15 @@ SELECT jsonb_build_object(
 -- the session is still a member, and which of shards $4 it holds. Each of those, and the
 -- shared hold on the loop's own key ($5: it keeps a replica that leads unsharded out), is
 -- now held by the transaction too, so SQL run in it (pg_advisory_unlock_all()) cannot
--- free any of them (as fence_begin).
+-- free any of them (as fence_begin). And the members' pids: a change says rebalance (a
+-- member whose ticks prove its locks sends no heartbeat to notice it by).
 SELECT (SELECT max(version) FROM scheduler_schema_version) AS schema_version,
+       ARRAY(SELECT l.pid FROM pg_locks l
+             WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+               AND l.database = (SELECT oid FROM pg_database
+                                 WHERE datname = current_database())
+               AND l.classid = $1::bigint::oid AND (l.objid::bigint & 4194303) = l.pid
+             ORDER BY l.pid) AS members,
        m.held AND pg_try_advisory_xact_lock($1::bigint::int, ($2 - (($2 >> 31) << 32))::int)
            AND pg_try_advisory_xact_lock_shared($5) AS member,
        ARRAY(SELECT s FROM unnest($4::int[]) AS s

@@ -392,7 +392,7 @@ class LeaseState:
         self.log.debug("leader.work_stopped", tasks=len(pending), seconds=_since(started))
 
 
-def _discard_outcome(task: asyncio.Future[Any]) -> None:
+def discard_outcome(task: asyncio.Future[Any]) -> None:
     """Retrieve an abandoned proof's outcome, so asyncio does not report it."""
     if not task.cancelled():
         task.exception()
@@ -438,7 +438,7 @@ async def heartbeat(
             lease.proof = None
             if not proof.done():
                 proof.cancel()
-                proof.add_done_callback(_discard_outcome)
+                proof.add_done_callback(discard_outcome)
         if not proof.done():
             on_failure()
             lease.lose(f"heartbeat failed: no answer within {answer_within:.1f}s", gone=False)

@@ -60,7 +60,7 @@ from ..db.sqlfiles import queries
 from ..errors import describe
 from ..schema_gate import SchemaNewer
 from .assignment import Member, assign
-from .base import LeadershipLost, LeaseState, Stopping, heartbeat
+from .base import LeadershipLost, LeaseState, Stopping, discard_outcome, heartbeat
 from .postgres_session import SessionGuard, SessionLease, session_keepalive_settings, settle
 
 if TYPE_CHECKING:
@@ -232,6 +232,7 @@ class MemberLease(SessionLease):
                         self._fence_broken("the lock connection is no longer a member")
                     self.last_proven = sent
                     self.schema.check(fence["schema_version"], self.log, "fence")
+                    self.note_members(fence["members"])
                     held = set(fence["shards"])
                     for shard in shards:
                         if shard.shard not in held:
@@ -293,11 +294,14 @@ class MemberLease(SessionLease):
             judged = shard.acquired_at < sent and not shard.unlocking
             if judged and shard.shard not in held and not shard.lost.is_set():
                 shard.lose("heartbeat: its shard lock is no longer held", gone=True)
-        if self.view is not None and sorted(m.pid for m in self.view.members) != list(
-            state["members"]
-        ):
-            self.rebalance.set()
+        self.note_members(state["members"])
         return bool(state["member"])
+
+    def note_members(self, pids: Sequence[int]) -> None:
+        """The members' pids as the lock manager lists them now: a list other than the
+        rebalancer's last view asks it to look again."""
+        if self.view is not None and sorted(m.pid for m in self.view.members) != list(pids):
+            self.rebalance.set()
 
     def successor(self) -> Member | None:
         """The member this one watches: the next in pid order, round the ring."""
@@ -552,7 +556,8 @@ class ShardedSessionGuard(SessionGuard):
         (dead ones are gone in milliseconds) before any of its work starts."""
         conn = lease.conn
         started = time.monotonic()
-        async with lease.conn_lock:
+        # The gate too: no heartbeat may talk on the connection between these statements.
+        async with lease.conn_lock, lease.gate:
             if lease.lost.is_set():
                 return
             taken: list[int] = (
@@ -571,25 +576,47 @@ class ShardedSessionGuard(SessionGuard):
                     conn.terminate()
                     raise
                 raise
-        settled: dict[str, Any] = {}
-        for predecessor in {(p["instance"], p["pid"]): p for p in predecessors}.values():
-            settled = await settle(self.store.pool, predecessor, self.key, self.settings)
+        # Each distinct predecessor at once: after a PostgreSQL restart, say, the first
+        # member back takes every shard, from every other member; one settle time, not one
+        # per predecessor.
+        whom = {(p["instance"], p["pid"]): p for p in predecessors.values()}
+        waits = await asyncio.gather(
+            *(settle(self.store.pool, p, self.key, self.settings) for p in whom.values())
+        )
+        settled = dict(zip(whom, waits, strict=True))
+        # Members may have come and gone while we waited (the others coming back after a
+        # restart): a shard that is no longer ours goes on to its owner before any run
+        # of it starts here.
+        mine = set(taken)
+        if whom:
+            view = await self._view()
+            me = next((m for m in view.members if m.pid == lease.backend_pid), None)
+            mine = set(assign(view.members, self.keys.count).get(me, [])) if me else set()
         for shard in taken:
             lease.shards[shard] = ShardLease(lease, shard, tokens[shard])
             self.metrics.shard_changes.labels(self.loop, "acquired", reason).inc()
+            before = predecessors.get(shard)
             self.log.info(
                 "shard.acquired", shard=shard, fencing_token=tokens[shard], reason=reason,
                 took=round(time.monotonic() - started, 4),
-                **({"predecessor": settled.get("predecessor")} if settled else {}),
+                **(settled[(before["instance"], before["pid"])] if before is not None else {}),
             )  # fmt: skip
+            if shard not in mine:
+                lease.shards[shard].draining = True
+                lease.spawn(
+                    self._hand_over(lease, lease.shards[shard], "rebalance"),
+                    name=f"shard:{shard}:handover",
+                )
         self._owned(lease)
         lease.wake_loop()
 
     async def _claim(
         self, conn: asyncpg.Connection, shards: list[int]
-    ) -> tuple[dict[int, int], list[Any]]:
+    ) -> tuple[dict[int, int], dict[int, Any]]:
+        """Per shard taken: its token, and the leader row of a predecessor that did not
+        hand over."""
         tokens: dict[int, int] = {}
-        predecessors: list[Any] = []
+        predecessors: dict[int, Any] = {}
         me = (self.instance, os.getpid())
         async with conn.transaction():
             for shard in shards:
@@ -597,7 +624,7 @@ class ShardedSessionGuard(SessionGuard):
                 found = await conn.fetchrow(Q["leader_predecessor"], name, key)
                 self.schema.check(found["schema_version"], self.log, "lock granted")
                 if found["instance"] is not None and (found["instance"], found["pid"]) != me:
-                    predecessors.append(found)
+                    predecessors[shard] = found
                 tokens[shard] = await conn.fetchval(Q["fencing_next"], name, self.instance)
                 await conn.execute(
                     Q["leader_claim"], name, key, self.instance, socket.gethostname(),
@@ -632,7 +659,7 @@ class ShardedSessionGuard(SessionGuard):
                 shard.lose(f"handed over: runs still running after {timeout:g}s", gone=False)
         await shard.stop_work(unblock=lease.conn.terminate)
         shard.unlocking = True
-        async with lease.conn_lock:
+        async with lease.conn_lock, lease.gate:
             if not lease.lost.is_set():
                 await lease.conn.execute(Q["shard_leaders_release"], [shard.shard])
                 await lease.conn.fetchval(Q["shard_unlock"], self.keys.shard_class, [shard.shard])
@@ -707,7 +734,7 @@ class ShardedSessionGuard(SessionGuard):
             return False
         finally:
             conn.terminate()  # frees what it was granted; ends a wait without an ERROR
-            if granted is not None and not granted.done():
-                await asyncio.wait({granted})
-            if granted is not None and not granted.cancelled():
-                granted.exception()  # retrieved: the terminate is what ended it
+            if granted is not None:
+                # Its outcome is the terminate's doing: retrieved whenever it lands (we
+                # may be being cancelled, and must not wait for it here).
+                granted.add_done_callback(discard_outcome)
