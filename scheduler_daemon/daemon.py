@@ -225,6 +225,8 @@ class Daemon:
             listener = self._listener(store, stack)
             for name in self.enabled_loops():
                 self.metrics.prime_loop(name)
+                if name == "plugin":
+                    self.metrics.shards.labels(name).set(self.settings.plugin.shards)
                 work, interval = self._build(name, store, listener)
                 guard = self._guard(name, store, listener)
                 runners[name] = LoopRunner(

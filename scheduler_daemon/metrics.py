@@ -56,6 +56,12 @@ class Metrics:
             ["loop"],
             registry=r,
         )
+        self.shards = Gauge(
+            "scheduler_shards",
+            "The loop's shard count (plugin.shards; 1: one leader leads every schedule).",
+            ["loop"],
+            registry=r,
+        )
         self.shards_owned = Gauge(
             "scheduler_shards_owned",
             "Shards of the loop this replica leads (sharded leadership; 0 unsharded).",
@@ -120,6 +126,7 @@ class Metrics:
         """
         self.leader.labels(loop).set(0)
         self.shards_owned.labels(loop).set(0)
+        self.shards.labels(loop).set(1)
         for counter in (self.lock_waits, self.heartbeat_failures, self.evictions):
             counter.labels(loop)
         for result in ("ok", "skipped", "failed", "cancelled"):

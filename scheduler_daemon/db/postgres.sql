@@ -302,6 +302,19 @@ SELECT jsonb_build_object(
 -- now held by the transaction too, so SQL run in it (pg_advisory_unlock_all()) cannot
 -- free any of them (as fence_begin). And the members' pids: a change says rebalance (a
 -- member whose ticks prove its locks sends no heartbeat to notice it by).
+-- What the session holds is read first, materialized, and only that is taken at
+-- transaction level: a lock tried before the check (the planner may order a filter so)
+-- would take a free shard and then find it "held".
+WITH mine AS MATERIALIZED (
+    SELECT l.classid::bigint AS classid, l.objid::bigint AS objid FROM pg_locks l
+    WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+      AND l.pid = pg_backend_pid()
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+), member AS MATERIALIZED (
+    SELECT EXISTS (SELECT 1 FROM mine WHERE classid = $1 AND objid = $2::bigint) AS held
+), held AS MATERIALIZED (
+    SELECT objid::int AS s FROM mine WHERE classid = $3 AND objid = ANY($4::int[])
+)
 SELECT (SELECT max(version) FROM scheduler_schema_version) AS schema_version,
        ARRAY(SELECT l.pid FROM pg_locks l
              WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
@@ -309,23 +322,12 @@ SELECT (SELECT max(version) FROM scheduler_schema_version) AS schema_version,
                                  WHERE datname = current_database())
                AND l.classid = $1::bigint::oid AND (l.objid::bigint & 4194303) = l.pid
              ORDER BY l.pid) AS members,
-       m.held AND pg_try_advisory_xact_lock($1::bigint::int, ($2 - (($2 >> 31) << 32))::int)
+       m.held AND pg_try_advisory_xact_lock(
+                      $1::bigint::int, ($2::bigint - (($2::bigint >> 31) << 32))::int)
            AND pg_try_advisory_xact_lock_shared($5) AS member,
-       ARRAY(SELECT s FROM unnest($4::int[]) AS s
-             WHERE EXISTS (SELECT 1 FROM pg_locks l
-                           WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
-                             AND l.pid = pg_backend_pid() AND l.classid = $3::bigint::oid
-                             AND l.objid::bigint = s
-                             AND l.database = (SELECT oid FROM pg_database
-                                               WHERE datname = current_database()))
-               AND pg_try_advisory_xact_lock($3::bigint::int, s)
+       ARRAY(SELECT s FROM held WHERE m.held AND pg_try_advisory_xact_lock($3::bigint::int, s)
              ORDER BY s) AS shards
-FROM (SELECT EXISTS (
-    SELECT 1 FROM pg_locks l
-    WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
-      AND l.pid = pg_backend_pid() AND l.classid = $1::bigint::oid AND l.objid::bigint = $2
-      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()))
-    AS held) m
+FROM member m
 
 -- name: shard_fence_release
 -- Before a fenced transaction that ran user SQL ends (as fence_restore): drop one
@@ -333,14 +335,15 @@ FROM (SELECT EXISTS (
 -- at once (the transaction's own holds keep them meanwhile). False where SQL had
 -- released one already.
 SELECT bool_and(held) AS held FROM (
-    SELECT pg_advisory_unlock($1::bigint::int, ($2 - (($2 >> 31) << 32))::int) AS held
+    SELECT pg_advisory_unlock($1::bigint::int, ($2::bigint - (($2::bigint >> 31) << 32))::int)
+        AS held
     UNION ALL SELECT pg_advisory_unlock_shared($5)
     UNION ALL SELECT pg_advisory_unlock($3::bigint::int, s) FROM unnest($4::int[]) AS s
 ) u
 
 -- name: shard_fence_retake
 SELECT count(*) AS taken FROM (
-    SELECT pg_advisory_lock($1::bigint::int, ($2 - (($2 >> 31) << 32))::int)
+    SELECT pg_advisory_lock($1::bigint::int, ($2::bigint - (($2::bigint >> 31) << 32))::int)
     UNION ALL SELECT pg_advisory_lock_shared($5)
     UNION ALL SELECT pg_advisory_lock($3::bigint::int, s) FROM unnest($4::int[]) AS s
 ) u
@@ -349,6 +352,29 @@ SELECT count(*) AS taken FROM (
 -- The shards of $2 this session could take now (class $1), each now held by it.
 SELECT array_agg(s ORDER BY s) AS taken FROM unnest($2::int[]) AS s
 WHERE pg_try_advisory_lock($1::bigint::int, s)
+
+-- name: shard_stale_leaders
+-- Leaders of loop $1, unsharded (loop $1) or of a shard ('$1/<n>'; shard class $2), whose
+-- recorded lock session no longer holds what it led, and which did not hand over (a
+-- hand-over deletes its row): the predecessors a new holder must wait for, whatever
+-- layout they ran with.
+SELECT r.loop, r.instance, r.hostname, r.pid, r.backend_pid
+FROM scheduler_leaders r
+WHERE (r.loop = $1 OR r.loop LIKE $1 || '/%')
+  AND NOT EXISTS (
+      SELECT 1 FROM pg_locks l
+      WHERE l.locktype = 'advisory' AND l.granted AND l.pid = r.backend_pid
+        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+        AND ((l.objsubid = 2 AND l.classid = $2::bigint::oid AND $1 || '/' || l.objid = r.loop)
+             OR (l.objsubid = 1 AND r.loop = $1
+                 AND l.classid = ((r.lock_key >> 32) & 4294967295)::oid
+                 AND l.objid = (r.lock_key & 4294967295)::oid)))
+
+-- name: leaders_forget
+-- The rows of leaders waited for (loop $1[i], lock session $2[i]): nobody waits again.
+DELETE FROM scheduler_leaders r
+USING unnest($1::text[], $2::int[]) AS f(loop, backend_pid)
+WHERE r.loop = f.loop AND r.backend_pid IS NOT DISTINCT FROM f.backend_pid
 
 -- name: shard_leaders_release
 -- A graceful hand-over of shards $1, committed before their locks are let go: the next

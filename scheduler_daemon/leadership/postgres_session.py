@@ -330,7 +330,34 @@ class SessionGuard(GuardBase[PostgresStore]):
         )
 
     async def _settle(self, conn: asyncpg.Connection, predecessor: Any) -> dict[str, Any]:
-        return await settle(conn, predecessor, self.key, self.settings)
+        settled = await settle(conn, predecessor, self.key, self.settings)
+        if self.loop == "plugin":
+            await self._settle_shard_leaders(conn)
+        return settled
+
+    async def _settle_shard_leaders(self, conn: asyncpg.Connection) -> None:
+        """Leaders of the plugin loop's shards that did not hand over (it ran sharded
+        until now: a rolling change of plugin.shards) may still be stopping runs of
+        schedules this leader now runs: wait for them too, then forget them."""
+        from .shards import ShardKeys
+
+        me = (self.settings.instance_id, os.getpid())
+        stale = [
+            row
+            for row in await conn.fetch(
+                Q["shard_stale_leaders"], self.loop, ShardKeys(self.key, 1).shard_class
+            )
+            if row["loop"] != self.loop and (row["instance"], row["pid"]) != me
+        ]
+        if not stale:
+            return
+        whom = {(row["instance"], row["pid"]): row for row in stale}
+        pool = self.store.pool  # several at once: not on the one lock connection
+        await asyncio.gather(*(settle(pool, row, self.key, self.settings) for row in whom.values()))
+        await conn.execute(
+            Q["leaders_forget"], [row["loop"] for row in stale],
+            [row["backend_pid"] for row in stale],
+        )  # fmt: skip
 
     def _on_closed(self, lease: SessionLease) -> Callable[[Any], None]:
         def closed(_conn: Any) -> None:

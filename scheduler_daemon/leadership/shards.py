@@ -36,13 +36,14 @@ every claim and result statement checks each shard's fencing token against its c
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import asyncpg
 
@@ -71,6 +72,8 @@ Q = queries("postgres")
 T = TypeVar("T")
 
 SHARDS_CHANNEL = "scheduler_shards_changed"
+# Why a member looked again, as NOTIFY payloads and the `reason` of shard.acquired.
+REASONS = frozenset({"member_joined", "member_left", "member_gone", "shard_released"})
 NOTIFY = f"SELECT pg_notify('{SHARDS_CHANNEL}', $1)"  # the payload: why, for the logs
 _PID_BITS = 22  # Linux pids stay below 2^22 (pid_max's ceiling)
 _GATE = 2**31 - 1  # the join gate's key in the shard class (shards are < MAX_SHARDS)
@@ -88,11 +91,14 @@ class ShardKeys:
 
     @property
     def shard_class(self) -> int:
-        return self.loop_key % 2**31
+        """30 bits of a hash of the whole key: two keys that differ anywhere get classes
+        of their own (but for a 1 in 2^30 chance), unlike the key's low bits."""
+        digest = hashlib.blake2b(self.loop_key.to_bytes(8, "big", signed=True), digest_size=4)
+        return int.from_bytes(digest.digest(), "big") & (2**30 - 1)
 
     @property
     def member_class(self) -> int:
-        return self.shard_class ^ 2**30
+        return self.shard_class | 2**30
 
     def member_objid(self, backend_pid: int) -> int:
         return (self.count - 1) << _PID_BITS | backend_pid
@@ -100,6 +106,11 @@ class ShardKeys:
     def lock_key(self, shard: int) -> int:
         """The shard's lock as one bigint (scheduler_leaders.lock_key): class, then shard."""
         return self.shard_class << 32 | shard
+
+
+def _who(row: Any) -> tuple[Any, ...]:
+    """A leader row's leadership: its instance, process and lock session."""
+    return (row["instance"], row["pid"], row["backend_pid"])
 
 
 def _signed(value: int) -> int:
@@ -174,10 +185,14 @@ class MemberLease(SessionLease):
         # The plugin loop's wake-up (it sets this on its first tick): a shard taken
         # is claimed for at once, not at the loop's next planned tick.
         self.wake_loop: Callable[[], None] = lambda: None
+        # The guard's hand-over of a shard (set by the guard once the lease exists).
+        self.hand_over: Callable[[ShardLease, str], Coroutine[Any, Any, None]] | None = None
 
     def heard(self, payload: str) -> None:
-        """A NOTIFY from another member (or the listener reconnected: ``""``)."""
-        self.rebalance_reason = self.rebalance_reason or payload or None
+        """A NOTIFY from another member (or the listener reconnected: ``""``). Anyone who
+        may connect can send one: only our own reasons become a metric label."""
+        if payload in REASONS:
+            self.rebalance_reason = self.rebalance_reason or payload
         self.rebalance.set()
 
     def active_shards(self) -> list[ShardLease]:
@@ -195,7 +210,12 @@ class MemberLease(SessionLease):
             return  # the member's own loss is what gets reported
         self.metrics.shard_changes.labels("plugin", "lost", "lost").inc()
         shard.log.warning("shard.lost", reason=reason, lock_may_be_free=gone)
-        self.rebalance.set()  # its work stopped and its lock let go there
+        self.rebalance.set()
+        if not shard.draining and self.hand_over is not None:
+            # Stopped now, not when the rebalancer next gets round to it: its work must
+            # end (or the process exit) within stop_grace of this.
+            shard.draining = True
+            self.spawn(self.hand_over(shard, "lost"), name=f"shard:{shard.shard}:lost")
 
     def transaction(  # type: ignore[override]  # a context manager, built another way
         self, *, only_ours: bool = False
@@ -340,6 +360,7 @@ class ShardedSessionGuard(SessionGuard):
             conn, self.key, backend_pid, since, 0, self.settings, self.log,
             self._report_lost, self.schema, keys=self.keys, metrics=self.metrics,
         )  # fmt: skip
+        lease.hand_over = lambda shard, reason: self._hand_over(lease, shard, reason)
         on_closed = self._on_closed(lease)
         conn.add_termination_listener(on_closed)
         if conn.is_closed():
@@ -349,9 +370,13 @@ class ShardedSessionGuard(SessionGuard):
             "leader.acquired", key=self.key, backend_pid=backend_pid, shards=self.keys.count,
             member=True,
         )  # fmt: skip
-        if self.listener is not None:
-            await self.listener.subscribe(SHARDS_CHANNEL, lease.heard)
-        await self._notify("member_joined")  # the others make room for us
+        try:
+            if self.listener is not None:
+                await self.listener.subscribe(SHARDS_CHANNEL, lease.heard)
+            await self._notify("member_joined")  # the others make room for us
+        except BaseException:
+            conn.terminate()  # a member that never ran: its locks go with the session
+            raise
         beating = asyncio.create_task(
             heartbeat(
                 lease,
@@ -402,12 +427,14 @@ class ShardedSessionGuard(SessionGuard):
                     )
                 else:
                     pid: int = await conn.fetchval("SELECT pg_backend_pid()")
-                    await conn.execute(
-                        "SELECT pg_advisory_lock($1, $2)",
-                        keys.member_class,
-                        _signed(keys.member_objid(pid)),
-                    )
-                    return pid
+                    # Never held by anyone else, but by a watch granted the lock of a
+                    # dead member whose pid the server has since given to this session.
+                    objid = _signed(keys.member_objid(pid))
+                    sql = "SELECT pg_try_advisory_lock($1, $2)"
+                    if await conn.fetchval(sql, keys.member_class, objid):
+                        return pid
+                    why = "this session's member lock is held by a watch; trying again"
+                    await conn.execute("SELECT pg_advisory_unlock_shared($1)", self.key)
             if why != said:
                 said = why
                 self.log.warning(
@@ -516,9 +543,15 @@ class ShardedSessionGuard(SessionGuard):
             lease.view_changed.set()
         lease.view = view
         self.metrics.shard_members.labels(self.loop).set(len(view.members))
-        for shard in [s for s in lease.shards.values() if s.lost.is_set() and not s.draining]:
-            shard.draining = True
-            lease.spawn(self._hand_over(lease, shard, "lost"), name=f"shard:{shard.shard}:lost")
+        # Held by our session but by no lease of ours: a shard taken and never set up
+        # (an error between the lock and its lease). Let it go.
+        orphans = sorted(
+            s
+            for s, pid in view.holders.items()
+            if pid == lease.backend_pid and s not in lease.shards
+        )
+        if orphans:
+            await self._release_untaken(lease, orphans)
         me = next((m for m in view.members if m.pid == lease.backend_pid), None)
         if me is None:
             return False  # not listed yet (or no longer: the heartbeat will say)
@@ -566,40 +599,31 @@ class ShardedSessionGuard(SessionGuard):
             if not taken:
                 return
             try:
-                tokens, predecessors = await self._claim(conn, taken)
+                tokens, stale = await self._claim(conn, taken)
             except BaseException:
-                # Never left holding a shard nobody leads: give them back (or the
-                # connection goes, and them with it).
-                try:
-                    await conn.fetchval(Q["shard_unlock"], self.keys.shard_class, taken)
-                except BaseException:
-                    conn.terminate()
-                    raise
+                await self._give_back(lease, taken, locked=True)
                 raise
-        # Each distinct predecessor at once: after a PostgreSQL restart, say, the first
-        # member back takes every shard, from every other member; one settle time, not one
-        # per predecessor.
-        whom = {(p["instance"], p["pid"]): p for p in predecessors.values()}
-        waits = await asyncio.gather(
-            *(settle(self.store.pool, p, self.key, self.settings) for p in whom.values())
-        )
-        settled = dict(zip(whom, waits, strict=True))
-        # Members may have come and gone while we waited (the others coming back after a
-        # restart): a shard that is no longer ours goes on to its owner before any run
-        # of it starts here.
-        mine = set(taken)
-        if whom:
-            view = await self._view()
-            me = next((m for m in view.members if m.pid == lease.backend_pid), None)
-            mine = set(assign(view.members, self.keys.count).get(me, [])) if me else set()
+        try:
+            waited = await self._settle_all(stale)
+            # Members may have come and gone while we waited (the others coming back after
+            # a restart): a shard that is no longer ours goes on to its owner before any
+            # run of it starts here.
+            mine = set(taken)
+            if stale:
+                view = await self._view()
+                me = next((m for m in view.members if m.pid == lease.backend_pid), None)
+                mine = set(assign(view.members, self.keys.count).get(me, [])) if me else set()
+        except BaseException:
+            await self._give_back(lease, taken, locked=False)
+            raise
+        own = {row["loop"]: waited[_who(row)] for row in stale}
         for shard in taken:
             lease.shards[shard] = ShardLease(lease, shard, tokens[shard])
             self.metrics.shard_changes.labels(self.loop, "acquired", reason).inc()
-            before = predecessors.get(shard)
             self.log.info(
                 "shard.acquired", shard=shard, fencing_token=tokens[shard], reason=reason,
                 took=round(time.monotonic() - started, 4),
-                **(settled[(before["instance"], before["pid"])] if before is not None else {}),
+                **own.get(f"{self.loop}/{shard}", {}),
             )  # fmt: skip
             if shard not in mine:
                 lease.shards[shard].draining = True
@@ -610,27 +634,77 @@ class ShardedSessionGuard(SessionGuard):
         self._owned(lease)
         lease.wake_loop()
 
+    async def _give_back(self, lease: MemberLease, shards: list[int], *, locked: bool) -> None:
+        """Shards taken whose setup failed: never left held and led by nobody. Their rows
+        go, then their locks (or the connection, and every lock with it)."""
+        try:
+            if locked:  # the caller holds conn_lock and the gate
+                await self._unlock(lease, shards)
+            else:
+                async with lease.conn_lock, lease.gate:
+                    await self._unlock(lease, shards)
+        except BaseException:
+            lease.conn.terminate()
+            raise
+
+    async def _release_untaken(self, lease: MemberLease, shards: list[int]) -> None:
+        self.log.warning("shard.released", shards=shards, reason="never_set_up")
+        await self._give_back(lease, shards, locked=False)
+
+    async def _unlock(self, lease: MemberLease, shards: list[int]) -> None:
+        if lease.lost.is_set():
+            return  # the guard drops the connection, and the locks with it
+        await lease.conn.execute(Q["shard_leaders_release"], shards)
+        await lease.conn.fetchval(Q["shard_unlock"], self.keys.shard_class, shards)
+
+    async def _settle_all(self, stale: list[Any]) -> dict[tuple[Any, ...], dict[str, Any]]:
+        """Wait for every leader that did not hand over, at once (after a PostgreSQL
+        restart the first member back takes every shard, from every other member: one
+        settle time, not one per predecessor); then forget their rows, so that nobody
+        waits for them again. What each wait was, by leader."""
+        whom = {_who(row): row for row in stale}
+        waits = await asyncio.gather(
+            *(settle(self.store.pool, row, self.key, self.settings) for row in whom.values()),
+            return_exceptions=True,
+        )
+        for outcome in waits:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        if stale:
+            await self.store.pool.execute(
+                Q["leaders_forget"], [row["loop"] for row in stale],
+                [row["backend_pid"] for row in stale],
+            )  # fmt: skip
+        return {who: cast(dict[str, Any], wait) for who, wait in zip(whom, waits, strict=True)}
+
     async def _claim(
         self, conn: asyncpg.Connection, shards: list[int]
-    ) -> tuple[dict[int, int], dict[int, Any]]:
-        """Per shard taken: its token, and the leader row of a predecessor that did not
-        hand over."""
+    ) -> tuple[dict[int, int], list[Any]]:
+        """Per shard taken, its token; and the rows of every leader of the loop that did
+        not hand over and whose session no longer holds what it led. Not only these
+        shards' last leaders: a leader of another layout (the loop unsharded, or another
+        shard count) may still be stopping runs of schedules that are in these shards
+        now. (A dead one's sessions are gone in milliseconds: no wait.)"""
         tokens: dict[int, int] = {}
-        predecessors: dict[int, Any] = {}
         me = (self.instance, os.getpid())
         async with conn.transaction():
+            stale = [
+                row
+                for row in await conn.fetch(
+                    Q["shard_stale_leaders"], self.loop, self.keys.shard_class
+                )
+                if (row["instance"], row["pid"]) != me
+            ]
             for shard in shards:
                 name, key = f"{self.loop}/{shard}", self.keys.lock_key(shard)
                 found = await conn.fetchrow(Q["leader_predecessor"], name, key)
                 self.schema.check(found["schema_version"], self.log, "lock granted")
-                if found["instance"] is not None and (found["instance"], found["pid"]) != me:
-                    predecessors[shard] = found
                 tokens[shard] = await conn.fetchval(Q["fencing_next"], name, self.instance)
                 await conn.execute(
                     Q["leader_claim"], name, key, self.instance, socket.gethostname(),
                     os.getpid(), tokens[shard],
                 )  # fmt: skip
-        return tokens, predecessors
+        return tokens, stale
 
     async def _hand_over(self, lease: MemberLease, shard: ShardLease, reason: str) -> None:
         """Give ``shard`` up: no more claims, its runs end (or are stopped), their results

@@ -234,7 +234,11 @@ class PluginWork:
                 truncated = len(batch.due) >= limit
                 self._want_place = plan_.waiting or truncated
                 self._want_results = plan_.held or truncated
-                if plan_.unknown:
+                if plan_.unknown and not self.sharded:
+                    # The leader's declarations win. Sharded, members of two deployments
+                    # (a rolling deploy) would retire each other's new tasks: a member
+                    # declares when it joins, and leaves a task it does not know to the
+                    # members that do.
                     await self._declare(store, tick.log)
                 if plan_.refused:
                     await store.refuse(plan_.refused)

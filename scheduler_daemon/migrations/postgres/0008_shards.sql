@@ -8,6 +8,8 @@ CREATE FUNCTION scheduler_shard_hash(name text) RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE STRICT
 AS $$ SELECT (hashtextextended(name, 0) & 2147483647)::integer $$;
 
+-- A stored column rewrites the table under an ACCESS EXCLUSIVE lock: with many runtime
+-- schedules, the migration holds the plugin loop (and writers of schedules) that long.
 ALTER TABLE scheduler_plugin_tasks
     ADD COLUMN shard_hash integer GENERATED ALWAYS AS (scheduler_shard_hash(name)) STORED;
 
