@@ -22,6 +22,7 @@ BENCHMARKS = [
     "peers",
     "growth",
     "scale",
+    "shards",
 ]
 
 parser = argparse.ArgumentParser(prog="python -m bench")

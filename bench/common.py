@@ -11,7 +11,7 @@ import platform
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from datetime import UTC, datetime
 from pathlib import Path
@@ -53,10 +53,11 @@ def start_daemon(
     interval: str = "1s",
     only: str | None = "publish",
     env: dict[str, str] | None = None,
+    prefix: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     """A real `scheduler-daemon run` process, logging (JSON) to workdir/daemon.log.
     ``only``: the one loop it runs, its interval set to `interval`; None: both loops,
-    at their configured intervals."""
+    at their configured intervals. ``prefix``: a command it runs under (`taskset -c 0`)."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("SCHEDULER_")}
     environment |= {
         "SCHEDULER_DATABASE_URL": dsn,
@@ -71,7 +72,7 @@ def start_daemon(
     loops = [] if only is None else ["--only", only]
     with (workdir / "daemon.log").open("ab") as log:  # the child has its own copy
         return subprocess.Popen(
-            [sys.executable, "-m", "scheduler_daemon", "run", *loops],
+            [*prefix, sys.executable, "-m", "scheduler_daemon", "run", *loops],
             env=environment,
             cwd=workdir,
             stdout=subprocess.DEVNULL,

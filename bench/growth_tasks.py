@@ -1,11 +1,16 @@
-"""Targets for bench/growth.py's async Python tasks (bench/ is put on PYTHONPATH, so the
-targets are ``growth_tasks:noop`` and ``growth_tasks:half_second``)."""
+"""Targets for the benchmarks' async Python tasks (bench/ is put on PYTHONPATH, so the
+targets are ``growth_tasks:noop``, ``growth_tasks:half_second`` and so on)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 
 from scheduler_daemon.plugins.context import TaskContext
+
+# bench/shards.py: a directory where tenth_second records each run, outside the database.
+RECORDS = "BENCH_RUN_RECORDS"
 
 
 async def noop(ctx: TaskContext) -> None:
@@ -18,3 +23,39 @@ async def half_second(ctx: TaskContext) -> None:
     caps plugin.concurrency so that only about a tenth of what is due fits."""
     del ctx
     await asyncio.sleep(0.5)
+
+
+async def five_ms_cpu(ctx: TaskContext) -> None:
+    """Spins for 5 ms of this thread's CPU time, holding the event loop throughout (a
+    CPU-bound async target: bench/shards.py, where replicas add cores)."""
+    del ctx
+    until = time.thread_time() + 0.005
+    while time.thread_time() < until:
+        pass
+
+
+async def tenth_second(ctx: TaskContext) -> None:
+    """Waits 0.1 s, as an async I/O target would (bench/shards.py). With BENCH_RUN_RECORDS
+    set, it appends a line to <dir>/<pid>.runs at its start and another at its end (or
+    its cancellation), wall clock: the runs as the work itself saw them, so that overlap
+    is judged outside the database (a SIGKILLed process writes no end: its death is)."""
+    records = os.environ.get(RECORDS)
+    if records is None:
+        await asyncio.sleep(0.1)
+        return
+    path = os.path.join(records, f"{os.getpid()}.runs")
+    key = f"{ctx.name} {ctx.slot.timestamp():.6f} {ctx.instance} {ctx.shard}"
+    _append(path, f"start {key} {time.time():.6f}\n")
+    try:
+        await asyncio.sleep(0.1)
+    finally:
+        _append(path, f"end {key} {time.time():.6f}\n")
+
+
+def _append(path: str, line: str) -> None:
+    # One write of one short line with O_APPEND: whole, whatever else writes the file.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)

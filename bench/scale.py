@@ -61,6 +61,7 @@ import itertools
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -69,7 +70,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,6 @@ from bench.common import (
     fresh_database,
     save_results,
     start_daemon,
-    stop_daemon,
 )
 from bench.growth import (
     Meter,
@@ -155,6 +155,15 @@ def names(count: int) -> list[str]:
     return [f"s{i:05d}" for i in range(count)]
 
 
+def stop_all(daemons: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to every one at once, then wait for each (stop_daemon, one by one, would
+    let the first's shards move to the others before they stop)."""
+    for daemon in daemons:
+        daemon.send_signal(signal.SIGTERM)  # once: a second SIGTERM forces the stop
+    for daemon in daemons:
+        daemon.wait(timeout=60)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -167,7 +176,13 @@ def free_port() -> int:
 
 @dataclass
 class Leader:
-    """A fresh database holding `count` schedules an hour away, and one leader on it."""
+    """A fresh database holding `count` schedules an hour away, and one leader on it.
+
+    Or several replicas (bench/shards.py): ``instances`` names them (their instance ids;
+    replica i logs to workdir/<name>/daemon.log, a lone unnamed one to workdir/daemon.log),
+    ``shards`` > 1 shares the plugin loop's shards among them (then entering waits until
+    every shard is held and shared out), ``pins`` runs replica i under `taskset -c
+    pins[i]`, ``env`` goes to every replica."""
 
     admin: str
     workdir: Path
@@ -179,23 +194,29 @@ class Leader:
     concurrency: int | None = None  # None: the default
     http: bool = False
     log_statements: bool = False
+    runnable: Sequence[str] = RUNNABLE
+    instances: Sequence[str] = ()  # () : one replica, the daemon's default instance id
+    shards: int = 1
+    pins: Sequence[str] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    database: str = DB
     dsn: str = ""
     conn: asyncpg.Connection | None = None
-    daemon: subprocess.Popen[bytes] | None = None
-    port: int = 0
+    daemons: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    ports: list[int] = field(default_factory=list)
     started: float = 0.0
     startup_s: float = 0.0
 
     async def __aenter__(self) -> Leader:
-        self.dsn = await fresh_database(self.admin, DB)
+        self.dsn = await fresh_database(self.admin, self.database)
         fresh_log(self.workdir)
         conn = self.conn = await asyncpg.connect(self.dsn)
         if self.log_statements:
-            await conn.execute(f"ALTER DATABASE {DB} SET log_statement = 'all'")
+            await conn.execute(f"ALTER DATABASE {self.database} SET log_statement = 'all'")
         if self.kind == "runtime":
             await conn.execute(
                 "INSERT INTO scheduler_runnable_targets (target) SELECT unnest($1::text[])",
-                list(RUNNABLE),
+                list(self.runnable),
             )
             await conn.execute(
                 "INSERT INTO scheduler_plugin_tasks "
@@ -214,30 +235,97 @@ class Leader:
                 f"every {self.every:g}s",
             )
         await conn.execute("VACUUM ANALYZE scheduler_plugin_tasks")
-        config = self.workdir / "scale.toml"
-        config.write_text(self.config())
-        env = {"SCHEDULER_CONFIG": str(config), "PYTHONPATH": str(ROOT / "bench")}
-        if self.http:
-            self.port = free_port()
-            env |= {"SCHEDULER_HTTP__ENABLED": "true", "SCHEDULER_HTTP__PORT": str(self.port)}
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / "scale.toml").write_text(self.config())
         self.started = time.monotonic()
-        self.daemon = start_daemon(self.dsn, self.workdir, only="plugin", env=env)
-        await wait_leading(conn, self.daemon, "plugin", self.workdir)
+        for index, name in enumerate(self.instances or [None]):
+            self.start_replica(name, self.pins[index] if index < len(self.pins) else None)
+        if self.shards > 1:
+            await self.wait_shared()
+        else:
+            first = self.instances[0] if self.instances else None
+            await wait_leading(conn, self.daemon, "plugin", self.replica_dir(first))
         # The take-over tick (declaring, publishing the runnable targets) is over once the
         # runnable targets carry its stamp; give it a moment more.
         await asyncio.sleep(1.0)
         self.startup_s = time.monotonic() - self.started
         return self
 
+    def replica_dir(self, name: str | None) -> Path:
+        return self.workdir if name is None else self.workdir / name
+
+    def replica_dirs(self) -> list[Path]:
+        """The first replicas' log directories (those named in `instances`)."""
+        return [self.replica_dir(name) for name in self.instances] or [self.workdir]
+
+    def start_replica(
+        self, name: str | None, pin: str | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """One more replica on the database (instance id `name`), appended to `daemons`."""
+        workdir = self.replica_dir(name)
+        if name is not None:
+            fresh_log(workdir)
+        extra = {
+            "SCHEDULER_CONFIG": str(self.workdir / "scale.toml"),
+            # The daemon of this tree (bench/shards.py may run from a worktree of a commit).
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), str(ROOT)]),
+        }
+        if name is not None:
+            extra["SCHEDULER_INSTANCE_ID"] = name
+        if self.http:
+            port = free_port()
+            self.ports.append(port)
+            extra |= {"SCHEDULER_HTTP__ENABLED": "true", "SCHEDULER_HTTP__PORT": str(port)}
+        prefix = ["taskset", "-c", pin] if pin is not None else []
+        daemon = start_daemon(
+            self.dsn, workdir, only="plugin", env=extra | self.env | (env or {}), prefix=prefix
+        )
+        self.daemons.append(daemon)
+        return daemon
+
+    async def wait_shared(self, within: float = 120.0) -> None:
+        """Until every shard has a leader and the live replicas share them out (each at
+        most ceil(shards / replicas), as the assignment bounds it)."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            for daemon in self.daemons:
+                if daemon.poll() is not None:
+                    raise RuntimeError(f"a replica exited {daemon.returncode}: see {self.workdir}")
+            live = sum(d.poll() is None for d in self.daemons)
+            rows = await self.db.fetch(
+                "SELECT instance, count(*) AS n FROM scheduler_leaders "
+                "WHERE loop LIKE 'plugin/%' GROUP BY instance"
+            )
+            held = [row["n"] for row in rows]
+            cap = -(-self.shards // max(1, live))
+            if (
+                sum(held) == self.shards
+                and len(held) == min(live, self.shards)
+                and max(held) <= cap
+            ):
+                return
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"the shards were not shared out in {within:g} s: see {self.workdir}")
+
+    @property
+    def daemon(self) -> subprocess.Popen[bytes] | None:
+        return self.daemons[0] if self.daemons else None
+
+    @property
+    def port(self) -> int:
+        return self.ports[0] if self.ports else 0
+
     def config(self) -> str:
         lines = [
             "[plugin]",
             "entry_points = false",
             'disabled = ["purge_publications"]',
-            "runnable = [" + ", ".join(f'"{t}"' for t in RUNNABLE) + "]",
+            "runnable = [" + ", ".join(f'"{t}"' for t in self.runnable) + "]",
         ]
         if self.concurrency is not None:
             lines.append(f"concurrency = {self.concurrency}")
+        if self.shards > 1:
+            lines.append(f"shards = {self.shards}")
         lines.append("")
         if self.kind == "sql":
             for name in names(self.count):
@@ -251,11 +339,10 @@ class Leader:
         return "\n".join(lines)
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.daemon is not None and self.daemon.poll() is None:
-            stop_daemon(self.daemon)
+        stop_all([d for d in self.daemons if d.poll() is None])
         if self.conn is not None:
             await self.conn.close()
-        await drop_database(self.admin, DB, grace=0)
+        await drop_database(self.admin, self.database, grace=0)
 
     @property
     def db(self) -> asyncpg.Connection:
@@ -268,10 +355,12 @@ class Leader:
         return self.daemon.pid
 
     def stop(self) -> None:
+        """Stop every replica (SIGTERM to all, then wait for each): an error if one had
+        exited by itself."""
         assert self.daemon is not None
         if self.daemon.poll() is not None:
             raise RuntimeError(f"the leader exited early:\n{log_tail(self.workdir)}")
-        stop_daemon(self.daemon)
+        stop_all([d for d in self.daemons if d.poll() is None])
 
     async def set_slots(self, spread: float, lead: float = LEAD) -> datetime:
         """Schedule i's next slot at T0 + i * spread * period / N; returns T0. With a
@@ -317,6 +406,8 @@ class Periodic:
     concurrency: int | None
     window: float
     profile: bool = False
+    period: float = PERIOD  # every schedule runs every `period` s
+    target: str = NOOP
 
 
 def expected_slots(
@@ -330,10 +421,10 @@ def expected_slots(
     out_names: list[str] = []
     out_slots: list[datetime] = []
     out_ks: list[int] = []
-    step = timedelta(seconds=PERIOD)
+    step = timedelta(seconds=case.period)
     for index, name in enumerate(names(case.tasks)):
         if case.jitter > 0:
-            grid = with_jitter(Every(PERIOD), name, case.jitter)
+            grid = with_jitter(Every(case.period), name, case.jitter)
             slot, k = grid.first(t0), 0
             while slot < t_end:
                 out_names.append(name)
@@ -341,34 +432,44 @@ def expected_slots(
                 out_ks.append(k)
                 slot, k = grid.next_after(slot), k + 1
             continue
-        first = t0 + timedelta(seconds=index * case.spread * PERIOD / case.tasks)
-        for k in range(round(case.window / PERIOD)):
+        first = t0 + timedelta(seconds=index * case.spread * case.period / case.tasks)
+        for k in range(round(case.window / case.period)):
             out_names.append(name)
             out_slots.append(first + step * k)
             out_ks.append(k)
     return out_names, out_slots, out_ks
 
 
-async def periodic(admin: str, workdir: Path, case: Periodic, sizes: Sizes) -> dict[str, Any]:
+async def periodic(
+    admin: str, workdir: Path, case: Periodic, sizes: Sizes, **replicas: Any
+) -> dict[str, Any]:
+    """`replicas`: Leader's options for several (bench/shards.py); then `leader_cpu_percent`
+    is the first one's, and `replica_cpu_percent` lists each one's."""
     async with Leader(
         admin, workdir, case.tasks, kind=case.kind, jitter=case.jitter,
-        concurrency=case.concurrency,
+        concurrency=case.concurrency, every=case.period, target=case.target, **replicas,
     ) as leader:  # fmt: skip
         t0 = await leader.set_slots(case.spread)
         t_end = t0 + timedelta(seconds=case.window)
         await leader.sleep_until(t0)
         meter = Meter(leader.pid, await backend_pids(leader.db))
+        others = [Meter(d.pid, []) for d in leader.daemons[1:]]
         await meter.start(leader.db)
+        for other in others:
+            await other.start(leader.db)
         profile: dict[str, Any] | None = None
         if case.profile:
             profile = await py_spy(leader.pid, min(sizes.profile_seconds, case.window - 1))
         await leader.sleep_until(t_end)
         usage = await meter.stop(leader.db)
+        replica_cpu = [usage["leader_cpu_percent"]]
+        for other in others:
+            replica_cpu.append((await other.stop(leader.db))["leader_cpu_percent"])
         load = os.getloadavg()[0]
         await asyncio.sleep(GRACE)
         t_stop: datetime = await leader.db.fetchval("SELECT now()")
         leader.stop()
-        periods = round(case.window / PERIOD)
+        periods = round(case.window / case.period)
         slot_names, slot_times, slot_ks = expected_slots(case, t0, t_end)
         expected = await leader.db.fetch(
             "WITH slots AS (SELECT * FROM unnest($1::text[], $2::timestamptz[], $3::int[]) "
@@ -393,7 +494,7 @@ async def periodic(admin: str, workdir: Path, case: Periodic, sizes: Sizes) -> d
             "FROM scheduler_plugin_runs",
             t0,
             t_end,
-            PERIOD,
+            case.period,
         )
     ran = [r for r in expected if r["status"] not in (None, "skipped_overlap", "running")]
     done = [r["done"] for r in expected]
@@ -411,9 +512,10 @@ async def periodic(admin: str, workdir: Path, case: Periodic, sizes: Sizes) -> d
         "misfire_lines": count_events(workdir, "task.misfired")
         + count_events(workdir, "plugin.misfired"),
         "lagging_warnings": count_events(workdir, "plugin.lagging"),
-        "leadership_lost": count_events(workdir, "leader.lost"),
-        "runs_per_second_needed": case.tasks / PERIOD,
+        "leadership_lost": sum(count_events(d, "leader.lost") for d in leader.replica_dirs()),
+        "runs_per_second_needed": case.tasks / case.period,
         "runs_per_second": recorded["started"] / case.window,
+        "replica_cpu_percent": replica_cpu,
         "lateness_s": summary(done),
         "lateness_ran_s": summary([r["done"] for r in ran]),
         "claim_lateness_ran_s": summary([r["claim"] for r in ran]),
