@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -55,6 +55,7 @@ from ..db.plugin_store import (
     Declaration,
     DueBatch,
     DueSchedule,
+    FinishedSchedule,
     PluginStore,
     RunResult,
 )
@@ -67,6 +68,7 @@ from ..plugins.schedule import plan
 from ..plugins.tasks import Target, TaskSpec, runtime_spec
 from ..plugins.worker import WorkerFailed, WorkerJob, Workers
 from .base import LISTENING_MAX_SLEEP, Tick
+from .results import SharedResults
 
 if TYPE_CHECKING:
     from ..db.listen import Listener
@@ -181,6 +183,8 @@ class PluginWork:
         self._want_results = False
         self._last_tick = 0.0
         self._lag_warned = 0.0
+        # Sharded: the shards' batches write their results together (loops/results.py).
+        self._results = SharedResults[Ended](self._finish, lambda e: e.result.name)
 
     # -- the tick ------------------------------------------------------------------------
 
@@ -638,16 +642,11 @@ class PluginWork:
 
     async def _record(self, hold: Lease, ended: list[Ended], log: Logger) -> None:
         limit = self.settings.plugin.max_consecutive_failures
-        # Trimmed every so many runs per schedule, never per run: history stays between
-        # `history` and `history` + that many rows.
-        keep = self.settings.plugin.history
-        every = max(1, min(100, keep))
-        async with hold.transaction(only_ours=True) as tx:
-            store = PluginStore(tx)
-            finished = await store.finish([e.result for e in ended], limit)
-            trim = [f.name for f in finished if f.run_count % every == 0]
-            if trim:
-                await store.trim(trim, keep)
+        if self.sharded:  # with the other shards' results, in one transaction
+            finished = await self._results.write(cast("ShardLease", hold), ended)
+        else:
+            async with hold.transaction(only_ours=True) as tx:
+                finished = await self._finish(PluginStore(tx), ended)
         for each in ended:  # said once recorded: a reader of the log finds it in the table
             if each.result.status == "succeeded":
                 each.log.info("task.succeeded", duration=round(each.duration, 3))
@@ -659,6 +658,18 @@ class PluginWork:
                     "task.auto_paused", task=schedule.name, failures=limit,
                     hint=f"scheduler-daemon tasks resume {schedule.name}",
                 )  # fmt: skip
+
+    async def _finish(self, store: PluginStore, ended: Sequence[Ended]) -> list[FinishedSchedule]:
+        """Results written, and history trimmed every so many runs per schedule, never
+        per run: it stays between `history` and `history` + that many rows."""
+        keep = self.settings.plugin.history
+        every = max(1, min(100, keep))
+        limit = self.settings.plugin.max_consecutive_failures
+        finished = await store.finish([e.result for e in ended], limit)
+        trim = [f.name for f in finished if f.run_count % every == 0]
+        if trim:
+            await store.trim(trim, keep)
+        return finished
 
     def _track(self, spec: TaskSpec, task: asyncio.Task[Any]) -> None:
         name = spec.name
