@@ -660,8 +660,12 @@ class ShardedSessionGuard(SessionGuard):
     async def _settle_all(self, stale: list[Any]) -> dict[tuple[Any, ...], dict[str, Any]]:
         """Wait for every leader that did not hand over, at once (after a PostgreSQL
         restart the first member back takes every shard, from every other member: one
-        settle time, not one per predecessor); then forget their rows, so that nobody
-        waits for them again. What each wait was, by leader."""
+        settle time, not one per predecessor); then forget the rows of another layout's
+        leaders (the loop unsharded, a shard this count does not have), which no holder
+        of a shard will overwrite, so that nobody waits for them again. Not this layout's
+        shards' rows: their next holders overwrite them, and deleting them here, while a
+        member claims them, deadlocked (measured: a second's deadlock_timeout on a
+        takeover). What each wait was, by leader."""
         whom = {_who(row): row for row in stale}
         waits = await asyncio.gather(
             *(settle(self.store.pool, row, self.key, self.settings) for row in whom.values()),
@@ -670,12 +674,18 @@ class ShardedSessionGuard(SessionGuard):
         for outcome in waits:
             if isinstance(outcome, BaseException):
                 raise outcome
-        if stale:
+        other = [row for row in stale if not self._of_this_layout(row["loop"])]
+        if other:
             await self.store.pool.execute(
-                Q["leaders_forget"], [row["loop"] for row in stale],
-                [row["backend_pid"] for row in stale],
+                Q["leaders_forget"], [row["loop"] for row in other],
+                [row["backend_pid"] for row in other],
             )  # fmt: skip
         return {who: cast(dict[str, Any], wait) for who, wait in zip(whom, waits, strict=True)}
+
+    def _of_this_layout(self, loop: str) -> bool:
+        """A leader row's loop names a shard of this shard count."""
+        _, sep, shard = loop.partition("/")
+        return bool(sep) and shard.isdigit() and int(shard) < self.keys.count
 
     async def _claim(
         self, conn: asyncpg.Connection, shards: list[int]
