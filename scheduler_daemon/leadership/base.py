@@ -341,6 +341,9 @@ class LeaseState:
             lost.cancel()
             if not task.done():
                 task.cancel()  # lost, or our caller was cancelled
+                # stop_work waits for it; what it ends with (a rollback failing on the
+                # closed connection, say) is the loss showing, already reported.
+                task.add_done_callback(discard_outcome)
         if not task.done() or (self.lost.is_set() and task.cancelled()):
             raise LeadershipLost(self.reason or "lost")
         return task.result()
