@@ -347,6 +347,8 @@ def test_compose_file_is_valid_and_scalable(tmp_path: Path) -> None:
     assert scheduler["environment"] == {
         "SCHEDULER_DATABASE_URL": "postgresql://scheduler:scheduler@postgres:5432/scheduler",
         "SCHEDULER_LOG__FORMAT": "json",
+        # Sharded leadership when the environment compose reads says so; one leader else.
+        "SCHEDULER_PLUGIN__SHARDS": "1",
     }
     assert not scheduler.get("volumes")
     assert not scheduler.get("env_file")

@@ -227,6 +227,9 @@ def test_sigterm_hands_over_at_once_and_leaves_no_lock_behind(
 # -- 5. SIGSTOP ---------------------------------------------------------------------------
 
 
+# `make test-long`: its claims are made in `make test` by test_external_exclusion.py's frozen
+# leader (by outside records), test_shards.py's frozen member and the chaos slice.
+@pytest.mark.chaos_long
 def test_a_frozen_leader_is_evicted_and_its_work_in_flight_never_commits(
     pg_url: str, daemons: Daemons
 ) -> None:
