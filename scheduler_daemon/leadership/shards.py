@@ -181,6 +181,7 @@ class MemberLease(SessionLease):
         self.view: View | None = None
         self.rebalance = asyncio.Event()  # look at the members again now
         self.rebalance_reason: str | None = None  # what asked, when it says (the watch)
+        self.stopping_since: float | None = None  # when the daemon's stop reached it
         self.view_changed = asyncio.Event()  # for the watch: its member may have changed
         # The plugin loop's wake-up (it sets this on its first tick): a shard taken
         # is claimed for at once, not at the loop's next planned tick.
@@ -451,9 +452,13 @@ class ShardedSessionGuard(SessionGuard):
                 async with asyncio.timeout(self.settings.database.connect_timeout):
                     await lease.conn.execute(Q["shard_leaders_release"], shards)
                     await lease.conn.execute("SELECT pg_advisory_unlock_all()")
+                    handover: dict[str, float] = {}
+                    if lease.stopping_since is not None:  # the stop to the unlock, runs too
+                        since = time.monotonic() - lease.stopping_since
+                        handover = {"handover": round(since, 4)}
                     await lease.conn.close()
                 for shard in shards:
-                    self._released(lease.shards[shard], "stopping")
+                    self._released(lease.shards[shard], "stopping", **handover)
                 self.metrics.leadership_changes.labels(self.loop, "released").inc()
                 self.log.info("leader.released", key=self.key, shards=len(shards))
                 await self._notify("member_left")
@@ -528,6 +533,8 @@ class ShardedSessionGuard(SessionGuard):
             else:
                 wait, retry = retry, min(retry * 2, RETRY_MAX)
             await wait_any([lease.rebalance, self.stop], wait)
+        if self.stop.is_set():
+            lease.stopping_since = time.monotonic()  # the graceful leave's hand-over starts
         await asyncio.Future()  # stopping: take nothing more; cancelled with the lease
 
     @staticmethod
