@@ -128,23 +128,23 @@ def test_shards_keep_every_promise_per_schedule_through_join_leave_kill_freeze_a
 
     r1, r2, r3 = start("r1"), start("r2"), start("r3")
     taken = {"start": all_led_by(pg_url, {"r1", "r2", "r3"}, "three members")}
-    time.sleep(1.5)
+    time.sleep(1.0)
 
     r4 = start("r4")
     joined = time.monotonic()
     taken["join"] = all_led_by(pg_url, {"r1", "r2", "r3", "r4"}, "r4 joined")
     print(f"\nr4 led its share {time.monotonic() - joined:.2f}s after it was started")
-    time.sleep(1.5)
+    time.sleep(1.0)
 
     r1.signal(signal.SIGTERM)  # a graceful leave, runs in flight
     assert r1.wait(30) == 0, r1.output()[-3000:]
     taken["leave"] = all_led_by(pg_url, {"r2", "r3", "r4"}, "r1 left")
-    time.sleep(1.5)
+    time.sleep(1.0)
 
     mid_run(log, "r2")
     r2.signal(signal.SIGKILL)
     taken["kill"] = all_led_by(pg_url, {"r3", "r4"}, "r2 killed")
-    time.sleep(1.5)
+    time.sleep(1.0)
 
     mid_run(log, "r3")
     frozen_at = time.time()
@@ -167,12 +167,12 @@ def test_shards_keep_every_promise_per_schedule_through_join_leave_kill_freeze_a
 
     pg_cluster.restart()  # every session ends: every member joins again, tokens move on
     taken["pg_restart"] = all_led_by(pg_url, {"r3", "r4"}, "after a PostgreSQL restart", 60)
-    time.sleep(1.5)
+    time.sleep(1.0)
 
     # Another shard count never shares the loop: it waits, and says why.
     other = start("r5", shards=4)
     wait_for_event(other, "shard.join_blocked", loop="plugin", timeout=30)
-    time.sleep(1.5)
+    time.sleep(1.0)
     assert set(owners(pg_url).values()) == {"r3", "r4"}
     print("seconds until every shard was led again:", {k: round(v, 2) for k, v in taken.items()})
     stop_all([r3, r4, other])
