@@ -305,13 +305,19 @@ class SessionGuard(GuardBase[PostgresStore]):
             yield lease
             clean_exit = True
         finally:
-            # Work first, lock last: nothing of this leadership may run once it is free.
-            await lease.stop_work(unblock=conn.terminate)
-            beating.cancel()
-            await asyncio.wait({beating})
-            conn.remove_termination_listener(on_closed)
-            self.metrics.leader.labels(self.loop).set(0)
+            await self._stop_leading(lease, beating, on_closed)
             await self._release(lease, graceful=clean_exit and not lease.lost.is_set())
+
+    async def _stop_leading(
+        self, lease: SessionLease, beating: asyncio.Task[None], on_closed: Callable[[Any], None]
+    ) -> None:
+        """Work first, lock last: nothing of this leadership may run once it is free. The
+        caller lets the lock go after this."""
+        await lease.stop_work(unblock=lease.conn.terminate)
+        beating.cancel()
+        await asyncio.wait({beating})
+        lease.conn.remove_termination_listener(on_closed)
+        self.metrics.leader.labels(self.loop).set(0)
 
     def _session_timeouts(self) -> str:
         """The lock session's server-side limits (PostgreSQL 14 or later, checked at start).

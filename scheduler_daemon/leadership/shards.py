@@ -393,13 +393,9 @@ class ShardedSessionGuard(SessionGuard):
             yield lease
             clean_exit = True
         finally:
-            await lease.stop_work(unblock=conn.terminate)
-            beating.cancel()
-            await asyncio.wait({beating})
-            conn.remove_termination_listener(on_closed)
+            await self._stop_leading(lease, beating, on_closed)
             if self.listener is not None:
                 self.listener.unsubscribe(SHARDS_CHANNEL)
-            self.metrics.leader.labels(self.loop).set(0)
             self.metrics.shards_owned.labels(self.loop).set(0)
             await self._leave(lease, graceful=clean_exit and not lease.lost.is_set())
 
