@@ -12,7 +12,8 @@ per replica.
 
 "before" is the daemon as of commit ``BEFORE`` (the last before the idle-cost work),
 taken with ``git archive`` and run from its own copy (PYTHONPATH), on a database it
-migrates itself. The heartbeat rows are the trade-off the issue asks for: each
+migrates itself; "before quiet proofs" the same for ``BEFORE_QUIET`` (the last before a
+leader with no work running proved only every ``lock.quiet_proof_interval``). The heartbeat rows are the trade-off the issue asks for: each
 ``lock.heartbeat_interval`` with what it means for detection, from the timing arithmetic
 config.py checks (step-down, work stopped, the earliest the server frees a cut-off
 leader's lock, stall eviction).
@@ -51,6 +52,7 @@ from bench.peers import ServerLog, account_log, cpu_seconds, find_log, memory_mb
 from scheduler_daemon.config import LockSettings
 
 BEFORE = "3d01da6"  # the last commit before the idle-cost work
+BEFORE_QUIET = "7f451d9"  # the last commit before quiet leaders' proofs (issue 20 item 10)
 REPLICAS = 3
 IDLE_TASK = [{"name": "yearly", "cron": "0 0 1 1 *", "sql": "SELECT 1"}]
 
@@ -61,12 +63,13 @@ class Config:
     label: str
     loops: str  # "both" or one loop
     env: dict[str, str] = field(default_factory=dict)
-    before: bool = False  # run the daemon of commit BEFORE
+    before: str | None = None  # run the daemon of this commit
 
 
 CONFIGS = (
-    Config("before-plugin", f"before ({BEFORE}), plugin loop", "plugin", before=True),
-    Config("before-both", f"before ({BEFORE}), both loops", "both", before=True),
+    Config("before-plugin", f"before ({BEFORE}), plugin loop", "plugin", before=BEFORE),
+    Config("before-both", f"before ({BEFORE}), both loops", "both", before=BEFORE),
+    Config("quiet-before-both", f"before quiet proofs ({BEFORE_QUIET}), both loops", "both", before=BEFORE_QUIET),
     Config("plugin", "plugin loop (defaults)", "plugin"),
     Config("both", "both loops (defaults)", "both"),
     Config("both-hb1", "both loops, heartbeat 1 s", "both", {"SCHEDULER_LOCK__HEARTBEAT_INTERVAL": "1"}),
@@ -76,23 +79,25 @@ CONFIGS = (
         "both-transaction", "both loops, transaction mode", "both", {"SCHEDULER_LOCK__MODE": "transaction"}
     ),
 )  # fmt: skip
-QUICK_CONFIGS = ("plugin", "both")
+QUICK_CONFIGS = ("quiet-before-both", "plugin", "both")
 
 
 @dataclass(frozen=True)
 class Sizes:
     settle: float = 8.0  # s from the last start to the window
-    window: float = 20.0
+    window: float = 30.0  # six quiet proofs per leading loop
 
 
 QUICK = Sizes(settle=5.0, window=8.0)
 
 
-def extract_before(into: Path) -> Path:
-    """scheduler_daemon/ as of BEFORE, under `into` (to go first on PYTHONPATH)."""
+def extract_before(into: Path, commit: str) -> Path:
+    """scheduler_daemon/ as of `commit`, under `into` (to go first on PYTHONPATH)."""
+    into = into / commit
+    into.mkdir(parents=True, exist_ok=True)
     archive = into / "before.tar"
     subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--output", str(archive), BEFORE, "scheduler_daemon"],
+        ["git", "-C", str(ROOT), "archive", "--output", str(archive), commit, "scheduler_daemon"],
         check=True,
     )
     with tarfile.open(archive) as tar:
@@ -136,7 +141,10 @@ async def measure(
     try:
         await observer.execute(f"ALTER DATABASE \"{name}\" SET log_statement = 'all'")
         processes = start(
-            dsn, config, work / config.name, extract_before(work) if config.before else None
+            dsn,
+            config,
+            work / config.name,
+            extract_before(work, config.before) if config.before else None,
         )
         try:
             await asyncio.sleep(sizes.settle)
@@ -185,6 +193,7 @@ async def measure(
         result["timings"] = {
             "heartbeat_interval": lock.heartbeat_interval,
             "step_down_after": lock.step_down_after,
+            "quiet_proof_interval": lock.quiet_proof_interval,
             "work_stopped_after": lock.stopped_after,
             "server_frees_cut_leader_after": lock.server_frees_lock_after,
             "stall_eviction_after": lock.stall_timeout,
@@ -198,7 +207,10 @@ async def run(admin: str, sizes: Sizes, configs: list[Config], work: Path) -> di
         sys.exit(
             "bench.idle: needs the throwaway cluster's server log (not SCHEDULER_BENCH_DATABASE_URL)"
         )
-    results: dict[str, Any] = {"replicas": REPLICAS, "window_s": sizes.window, "before": BEFORE}
+    results: dict[str, Any] = {
+        "replicas": REPLICAS, "window_s": sizes.window, "before": BEFORE,
+        "before_quiet": BEFORE_QUIET,
+    }  # fmt: skip
     for config in configs:
         print(f"bench.idle: {config.label}", flush=True)
         results[config.name] = await measure(admin, config, sizes, log, work)
@@ -212,7 +224,9 @@ def report(results: dict[str, Any]) -> str:
         "",
         f"{results['replicas']} idle replicas (nothing due), {results['window_s']:g} s window; "
         "transactions counted from the server's statement log. `before`: the daemon of "
-        f"commit {results['before']}, the last before the idle-cost work, in the same run.",
+        f"commit {results['before']}, the last before the idle-cost work, and `before quiet "
+        f"proofs`: of {results.get('before_quiet', BEFORE_QUIET)}, the last before a leader "
+        "with no work running proved at its own pace, in the same run.",
         "",
         "| configuration | transactions/s, all replicas | server ERROR lines | connections | CPU per replica | RSS per replica | what the idle work is |",
         "|---|---|---|---|---|---|---|",
@@ -230,8 +244,8 @@ def report(results: dict[str, Any]) -> str:
         "Heartbeat interval against detection (session mode; the other lock settings at "
         "their defaults, as config.py checks them) and idle cost:",
         "",
-        "| heartbeat | transactions/s, both loops | leader steps down within | its work stopped within | server frees a cut-off leader's lock after | a frozen leader is evicted after |",
-        "|---|---|---|---|---|---|",
+        "| heartbeat | transactions/s, both loops | a working leader steps down within | its work stopped within | a leader with no work running proves every | and learns of a cut within | server frees a cut-off leader's lock after | a frozen leader is evicted after |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name in ("both-hb1", "both", "both-hb3"):
         if name in results:
@@ -239,6 +253,8 @@ def report(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {t['heartbeat_interval']:g} s | {results[name]['transactions_per_s']:.2f} "
                 f"| {t['step_down_after']:g} s | {t['work_stopped_after']:g} s "
+                f"| {t['quiet_proof_interval']:g} s "
+                f"| {t['quiet_proof_interval'] + t['heartbeat_interval']:g} s "
                 f"| ≥ {t['server_frees_cut_leader_after']:g} s | {t['stall_eviction_after']:g} s |"
             )
     return "\n".join([*lines, ""])

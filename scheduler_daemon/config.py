@@ -435,6 +435,15 @@ class LockSettings(Section):
         return 2 * self.heartbeat_interval
 
     @property
+    def quiet_proof_interval(self) -> float:
+        """How often a leader with no work running proves its lock (session mode): only to
+        keep the server from ending its session as frozen (idle for stall_timeout), so a
+        third of that, leaving two proofs of slack; never more often than a working
+        leader. Its work starts on a fresh proof, and is then held to the step-down bound
+        as always (leadership/base.py, ``heartbeat``)."""
+        return max(self.heartbeat_interval, self.stall_timeout / 3)
+
+    @property
     def stopped_after(self) -> float:
         """Worst case from the last good heartbeat until the leader's work has stopped:
         the decision, then stop_grace for cancelled work to end (or be killed)."""

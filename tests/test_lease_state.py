@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from scheduler_daemon.config import Settings
 from scheduler_daemon.db.postgres import ask_between_statements
-from scheduler_daemon.leadership.base import LeaseState
+from scheduler_daemon.leadership.base import LeadershipLost, LeaseState, heartbeat
 from scheduler_daemon.logs import get_logger
 
 SETTINGS = Settings(lock={"heartbeat_interval": 0.5, "stop_grace": 0.5, "stall_timeout": 3})
@@ -73,3 +75,86 @@ async def test_a_proof_never_queues_behind_work_promised_the_connection() -> Non
     assert answer is None  # ask elsewhere (the pool)
     assert conn.asked == 0
     await waiter
+
+
+# Quiet leases (session mode): with no work running, proofs at the quiet pace; work
+# starts on a fresh proof, and is held to the step-down bound from then on.
+QUIET = Settings(lock={"heartbeat_interval": 0.2, "stop_grace": 0.5, "stall_timeout": 3})
+
+
+class Proofs:
+    """A heartbeat's prove(): records when it was asked, answers `held`."""
+
+    def __init__(self, order: list[str] | None = None) -> None:
+        self.times: list[float] = []
+        self.held = True
+        self.order = order if order is not None else []
+
+    async def __call__(self) -> bool:
+        self.times.append(time.monotonic())
+        self.order.append("proof")
+        return self.held
+
+
+async def beating(lease: LeaseState, proofs: Proofs) -> asyncio.Task[None]:
+    task = asyncio.create_task(heartbeat(lease, proofs, quiet=True))
+    await asyncio.sleep(0)  # it has set the lease's quiet pace
+    return task
+
+
+async def test_a_quiet_lease_proves_at_the_quiet_pace_and_is_not_judged_stale() -> None:
+    lock = QUIET.lock
+    assert lock.quiet_proof_interval == 1.0 > lock.step_down_after == 0.4
+    lease, proofs = LeaseState(1, QUIET, get_logger()), Proofs()
+    task = await beating(lease, proofs)
+    await asyncio.sleep(2.5)
+    assert not lease.lost.is_set(), lease.reason
+    assert not lease.fresh()  # unproven for longer than the bound, yet not lost
+    assert not lease.lost.is_set()
+    task.cancel()
+    # A working lease would have proven 12 times; a quiet one twice (at 1.0 s and 2.0 s).
+    assert len(proofs.times) == 2, proofs.times
+
+
+async def test_work_on_a_quiet_lease_starts_on_a_fresh_proof_then_works_at_the_working_pace() -> (
+    None
+):
+    lease = LeaseState(1, QUIET, get_logger())
+    order: list[str] = []
+    proofs = Proofs(order)
+    task = await beating(lease, proofs)
+    await asyncio.sleep(0.5)  # quiet, and stale by the step-down bound
+    assert order == []
+
+    async def work() -> None:
+        order.append("tick")
+        await asyncio.sleep(1.0)
+
+    await lease.run_tick(work)
+    task.cancel()
+    assert order[:2] == ["proof", "tick"], order
+    # Working for 1 s: a proof every 0.2 s after the one it started on.
+    assert 4 <= order.count("proof") <= 7, order
+    assert not lease.lost.is_set(), lease.reason
+
+
+async def test_a_quiet_lease_found_not_holding_runs_nothing() -> None:
+    """Cut off or evicted while quiet (a freeze, say): the proof the next tick waits for
+    says so, and the tick never starts."""
+    lease = LeaseState(1, QUIET, get_logger())
+    proofs = Proofs()
+    task = await beating(lease, proofs)
+    await asyncio.sleep(0.5)
+    proofs.held = False
+    ran = False
+
+    async def work() -> None:
+        nonlocal ran
+        ran = True
+
+    with pytest.raises(LeadershipLost):
+        await lease.run_tick(work)
+    assert not ran
+    assert lease.gone.is_set()
+    await asyncio.wait({task}, timeout=1)
+    assert task.done()

@@ -30,6 +30,7 @@ from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
+from ..aio import wait_any
 from ..config import Settings
 from ..db.base import Tx
 from ..errors import EXIT_SOFTWARE, describe
@@ -254,6 +255,14 @@ class LeaseState:
         self.crashed: BaseException | None = None
         # The heartbeat's proof in flight, and when it was asked.
         self.proof: tuple[float, asyncio.Future[bool]] | None = None
+        # Set by a heartbeat that spares a lease with no work in flight (``quiet``): how
+        # often it proves then. None: every heartbeat_interval, work or none.
+        self.quiet_interval: float | None = None
+        # The heartbeat's wake-up: work started, or work wants a proof before it starts.
+        self.replan = asyncio.Event()
+        self.proof_wanted = False
+        # Set (and replaced) after every proof the heartbeat took in.
+        self.proved = asyncio.Event()
 
     def lose(self, reason: str, *, gone: bool) -> bool:
         """Mark leadership lost and cancel its work. ``gone``: the lock may be free already
@@ -290,10 +299,38 @@ class LeaseState:
                 self.last_proven = max(self.last_proven, sent)
                 if now - self.last_proven <= bound:
                     return True
+        if self.quiet_interval is not None and not self.working:
+            # Quiet: nothing of the lease ran unproven, so there is no freeze to conclude
+            # from; the next work proves first (`proven_for_work`).
+            return False
         # The heartbeat would conclude the same when its own timer runs; whoever asks
         # first concludes it, so that nothing else of the lease runs on meanwhile.
         self.lose(stalled(now - self.last_proven), gone=True)
         return False
+
+    @property
+    def working(self) -> bool:
+        """Whether any work of the lease (a tick, a run, a service) is still running."""
+        return any(not task.done() for task in self._work)
+
+    async def proven_for_work(self) -> None:
+        """Return once the lock was proven within ``heartbeat_interval`` (or the lease is
+        lost): what work of a quiet lease starts on.
+
+        A quiet lease (see :func:`heartbeat`) goes unproven for longer than the step-down
+        bound, harmlessly while nothing of it runs. From its first work on it is judged by
+        that bound again, so the work must start on a recent proof: asked of the
+        heartbeat here, and waited for. (A leader resumed after a freeze, or cut off while
+        quiet, learns it here, before its work does anything.)"""
+        if self.quiet_interval is None or self.working:
+            return
+        asked = time.monotonic()
+        if asked - self.last_proven <= self.settings.lock.heartbeat_interval:
+            return
+        while self.last_proven < asked and not self.lost.is_set():
+            self.proof_wanted = True
+            self.replan.set()
+            await wait_any([self.proved, self.lost], self.settings.lock.step_down_after)
 
     def spawn(
         self, work: Coroutine[Any, Any, T], name: str, *, service: bool = False
@@ -323,6 +360,8 @@ class LeaseState:
 
     def adopt(self, task: asyncio.Task[Any]) -> None:
         """Count ``task`` as work of this lease (cancelled with it, waited for by it)."""
+        if self.quiet_interval is not None and not self.working:
+            self.replan.set()  # the heartbeat's pace is a working lease's from now on
         self._work.add(task)
         task.add_done_callback(self._work.discard)
 
@@ -333,6 +372,7 @@ class LeaseState:
         async def call() -> T:
             return await tick()
 
+        await self.proven_for_work()
         task = self.spawn(call(), name="tick")
         lost = asyncio.ensure_future(self.lost.wait())
         try:
@@ -405,6 +445,8 @@ async def heartbeat(
     lease: LeaseState,
     prove: Callable[[], Awaitable[bool]],
     on_failure: Callable[[], None] = lambda: None,
+    *,
+    quiet: bool = False,
 ) -> None:
     """Prove the lock ``heartbeat_interval`` after it was last proven (by a heartbeat or
     by the lease's work) until a proof fails; then lose the lease and return.
@@ -414,25 +456,53 @@ async def heartbeat(
     network shows (the lock may still be ours, so ``gone`` is False and the work gets its
     grace). A heartbeat that itself comes late means the process was frozen, long enough
     for a standby to have evicted us (``gone``).
+
+    ``quiet``: while no work of the lease runs, prove only every
+    ``lock.quiet_proof_interval``. The step-down bound is there to stop a cut-off
+    leader's work before the server can free its lock; with no work there is nothing to
+    stop, and the proofs only keep the session from looking frozen to the server
+    (``stall_timeout``). Work starts on a fresh proof (:meth:`LeaseState.proven_for_work`),
+    and from then on the working pace and bound apply. This is most of an idle cluster's
+    cost to the database (bench/idle.py).
     """
     interval = lease.settings.lock.heartbeat_interval
+    bound = lease.settings.lock.step_down_after
+    if quiet:
+        lease.quiet_interval = lease.settings.lock.quiet_proof_interval
     while True:
+        lease.replan.clear()  # before looking: a wake-up from here on is kept
+        # Judged by the step-down bound: a lease with work running (or any lease, unless
+        # quiet). Otherwise proven at the quiet pace, or at once when work waits for it.
+        quiet_every = lease.quiet_interval
+        judged = quiet_every is None or lease.working
+        if quiet_every is None or lease.working:
+            due = lease.last_proven + interval
+        elif lease.proof_wanted:
+            due = 0.0
+        else:
+            due = lease.last_proven + quiet_every
         # One interval after the last proof, whoever made it: the work's own fenced
         # transactions prove the lock too, and then no heartbeat is needed.
-        wait = lease.last_proven + interval - time.monotonic()
+        wait = due - time.monotonic()
         if wait > 0:
-            await asyncio.sleep(wait)
+            if quiet_every is None:
+                await asyncio.sleep(wait)
+            else:
+                await wait_any([lease.replan], wait)
             continue
-        if not lease.fresh():  # a freeze: fresh() ended the lease
+        if judged and not lease.fresh():  # a freeze: fresh() ended the lease
             return
         # Not `asyncio.timeout` around the queries: on a silently dead socket asyncpg's
         # pool cannot finish cancelling a query (releasing the connection waits for the
         # server's answer), so a cancelled heartbeat would hang with it. Wait for the
         # proof in a task of its own and abandon it when it is late.
         # Given until step_down_after from the last proof, not a whole interval: a
-        # heartbeat that woke late must still decide in time.
+        # heartbeat that woke late must still decide in time. A quiet lease's proof gets
+        # what a punctual heartbeat gets: the bound less one interval.
         sent = time.monotonic()
-        answer_within = max(0.0, lease.last_proven + lease.settings.lock.step_down_after - sent)
+        since = lease.last_proven if judged else sent - interval
+        answer_within = max(0.0, since + bound - sent)
+        lease.proof_wanted = False  # what asked before now, this proof answers
         proof = asyncio.ensure_future(prove())
         lease.proof = (sent, proof)
         try:
@@ -456,6 +526,8 @@ async def heartbeat(
         # As of when it was asked: an answer that arrives after a freeze proves nothing
         # about the freeze.
         lease.last_proven = max(lease.last_proven, sent)
+        proved, lease.proved = lease.proved, asyncio.Event()
+        proved.set()
 
 
 def stalled(silent_for: float) -> str:

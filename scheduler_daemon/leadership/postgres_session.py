@@ -21,7 +21,9 @@ config.py). No replica has to poll for stalled leaders.
 
 While leading, a heartbeat proves every ``heartbeat_interval``, on the lock connection,
 that the database still sees this session holding the key (one read-only statement; a
-fenced transaction of a tick proves the same and stands in for it). While a tick holds the
+fenced transaction of a tick proves the same and stands in for it). While no work of the
+leadership runs, only every ``lock.quiet_proof_interval``, and its next tick waits for a
+fresh proof first (``heartbeat``'s ``quiet``). While a tick holds the
 connection, the proof goes through the pool instead. The lock connection's own end is
 noticed at once (asyncpg's termination listener): a terminated backend, a restarted
 server, the server's idle timeout. Any of these ends the leadership: its work is cancelled
@@ -297,7 +299,10 @@ class SessionGuard(GuardBase[PostgresStore]):
             fencing_token=token, **settled,
         )  # fmt: skip
         beat = heartbeat(
-            lease, lambda: self._prove(lease), self.metrics.heartbeat_failures.labels(self.loop).inc
+            lease,
+            lambda: self._prove(lease),
+            self.metrics.heartbeat_failures.labels(self.loop).inc,
+            quiet=True,
         )
         beating = asyncio.create_task(beat, name=f"heartbeat:{self.loop}")
         clean_exit = False
