@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck pytest test-long chaos bench bench-quick constraints clean
+.PHONY: run test lint typecheck pytest browser test-long chaos bench bench-quick constraints clean
 
 # The test suite's sample plugin is not installed here (the suite puts it on PYTHONPATH),
 # so `make run` starts a daemon with nothing but what you configure; older venvs lose it.
@@ -33,10 +33,18 @@ typecheck: $(STAMP)
 PYTEST_WORKERS ?= 2
 PYTEST_XDIST = -n $(PYTEST_WORKERS) --dist loadfile
 
+# The tests marked browser (any test using the browser fixture is) run in `make browser`.
 pytest: $(STAMP)
-	$(BIN)/pytest -q $(PYTEST_XDIST) $(PYTEST_ARGS)
+	$(BIN)/pytest -q $(PYTEST_XDIST) -m 'not browser' $(PYTEST_ARGS)
 
-test: lint typecheck pytest
+# Real-browser tests: Debian's chromium (apt-get install chromium; .ci/run does it as root)
+# driven by Playwright through executable_path, never `playwright install`. One process, so
+# one Chromium at a time; PYTEST_BROWSER_ARGS, not PYTEST_ARGS, so that narrowing the main
+# stage to a few files does not leave this one with no tests (pytest's exit status 5).
+browser: $(STAMP)
+	$(BIN)/pytest -q -m browser $(PYTEST_BROWSER_ARGS)
+
+test: lint typecheck pytest browser
 
 # The long variants kept out of `make test` (tests marked chaos_long), the soak excepted.
 test-long: $(STAMP)

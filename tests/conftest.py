@@ -4,6 +4,9 @@ PostgreSQL comes from ``SCHEDULER_TEST_DATABASE_URL`` (an admin DSN to a server 
 databases may be created and dropped) or else from a throwaway cluster started once per
 session. Each test gets its own database, cloned from a template that the product's own
 ``migrate`` command built once per session, and dropped after a connection-leak check.
+
+Browser tests get Debian's Chromium driven by Playwright (``browser``, ``new_page``,
+``page``); see `rig.browser`.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import structlog
+from rig.browser import DEFAULT_TIMEOUT_MS, BrowserUnavailable, launched_chromium
 from rig.databases import (
     PgServer,
     copy_sqlite,
@@ -29,6 +34,9 @@ from rig.databases import (
 from rig.pgcluster import PgCluster, find_pg_bindir
 from rig.processes import Daemons
 from rig.tcpproxy import TcpProxy
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, BrowserContext, Page
 
 pytest_plugins = ["pytester", "rig.plugin"]
 
@@ -178,3 +186,51 @@ def tcp_proxy_factory() -> Iterator[Callable[[str, int], TcpProxy]]:
     """``tcp_proxy_factory(host, port)`` starts a `TcpProxy`; all are closed afterwards."""
     with ExitStack() as stack:
         yield lambda host, port: stack.enter_context(TcpProxy(host, port))
+
+
+# -- browser -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """A headless Chromium (the OS package's, via Playwright), one per test module.
+
+    Skips with the reason when Playwright or Chromium is missing. Per module, not per
+    session: while it is up, ``asyncio.run`` and async tests fail in this thread (see
+    `rig.browser`), so keep a module that uses it to sync tests.
+    """
+    with ExitStack() as stack:
+        try:
+            started = stack.enter_context(launched_chromium())
+        except BrowserUnavailable as exc:
+            pytest.skip(str(exc))
+        yield started
+
+
+@pytest.fixture
+def new_page(browser: Browser) -> Iterator[Callable[..., Page]]:
+    """``new_page(**context_options)``: a page in a fresh browser context of its own.
+
+    The options are ``Browser.new_context``'s: ``http_credentials={"username": ...,
+    "password": ...}``, ``timezone_id="Europe/Berlin"``, ``locale="de-DE"``,
+    ``base_url=...`` and so on. Every context is closed after the test.
+    """
+    contexts: list[BrowserContext] = []
+
+    def make(**context_options: Any) -> Page:
+        context = browser.new_context(**context_options)
+        contexts.append(context)
+        context.set_default_timeout(DEFAULT_TIMEOUT_MS)
+        return context.new_page()
+
+    try:
+        yield make
+    finally:
+        for context in contexts:
+            context.close()
+
+
+@pytest.fixture
+def page(new_page: Callable[..., Page]) -> Page:
+    """A page in a fresh browser context with the defaults (``new_page()``)."""
+    return new_page()

@@ -2,9 +2,10 @@
 
 - ``chaos_long`` tests are deselected (not skipped) unless ``--run-long`` is given.
 - Every test that needs the ``pg_server`` fixture, directly or not, is marked
-  ``postgres``.
-- With ``CI=true`` (or ``1``) a skipped ``postgres`` test is reported as failed: in CI,
-  "no PostgreSQL here" must not turn the PostgreSQL half of the suite silently green.
+  ``postgres``; every test that needs the ``browser`` fixture, ``browser``.
+- With ``CI=true`` (or ``1``) a skipped ``postgres`` or ``browser`` test is reported as
+  failed: in CI, "no PostgreSQL here" (or "no Chromium here") must not turn that part of
+  the suite silently green.
 
 A plugin module rather than conftest code so that tests can load it into pytester.
 """
@@ -24,6 +25,10 @@ import pytest
 from .sample_plugin import write_distribution
 
 POSTGRES_FIXTURE = "pg_server"
+BROWSER_FIXTURE = "browser"
+
+# The markers whose skips CI=true turns into failures, and what the failure calls them.
+CI_MUST_RUN = {"postgres": "PostgreSQL", "browser": "Browser"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -57,8 +62,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if POSTGRES_FIXTURE in getattr(item, "fixturenames", ()):
+        fixturenames = getattr(item, "fixturenames", ())
+        if POSTGRES_FIXTURE in fixturenames:
             item.add_marker(pytest.mark.postgres)
+        if BROWSER_FIXTURE in fixturenames:
+            item.add_marker(pytest.mark.browser)
     if config.getoption("--run-long"):
         return
     long_runs = [item for item in items if item.get_closest_marker("chaos_long")]
@@ -71,17 +79,25 @@ def ci_is_set(environ: Mapping[str, str] = os.environ) -> bool:
     return environ.get("CI", "").strip().lower() in ("true", "1")
 
 
+def must_run_kind(item: pytest.Item) -> str | None:
+    """What CI calls this test if its skips are forbidden ("PostgreSQL", "Browser"), else None."""
+    for marker, kind in CI_MUST_RUN.items():
+        if item.get_closest_marker(marker) is not None:
+            return kind
+    return None
+
+
 def skip_must_fail(
     item: pytest.Item, report: pytest.TestReport, environ: Mapping[str, str] = os.environ
 ) -> bool:
-    """Whether this report is a skip of a PostgreSQL test that CI forbids.
+    """Whether this report is a skip of a PostgreSQL or browser test that CI forbids.
 
     An expected failure (``xfail``) is reported as a skip too; it is not one here.
     """
     return (
         report.skipped
         and not hasattr(report, "wasxfail")
-        and item.get_closest_marker("postgres") is not None
+        and must_run_kind(item) is not None
         and ci_is_set(environ)
     )
 
@@ -96,5 +112,5 @@ def pytest_runtest_makereport(
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         reason = str(reason).removeprefix("Skipped: ")
         report.outcome = "failed"
-        report.longrepr = f"PostgreSQL test skipped, which CI=true forbids: {reason}"
+        report.longrepr = f"{must_run_kind(item)} test skipped, which CI=true forbids: {reason}"
     return report
