@@ -438,10 +438,13 @@ class LockSettings(Section):
     def quiet_proof_interval(self) -> float:
         """How often a leader with no work running proves its lock (session mode): only to
         keep the server from ending its session as frozen (idle for stall_timeout), so a
-        third of that, leaving two proofs of slack; never more often than a working
-        leader. Its work starts on a fresh proof, and is then held to the step-down bound
-        as always (leadership/base.py, ``heartbeat``)."""
-        return max(self.heartbeat_interval, self.stall_timeout / 3)
+        third of that, leaving two proofs of slack; and soon enough that, cut off, it
+        learns so (its proof unanswered one interval later) before the server can free its
+        lock for a standby: two replicas never both say they lead. Never more often than
+        a working leader. Its work starts on a fresh proof, and is then held to the
+        step-down bound as always (leadership/base.py, ``heartbeat``)."""
+        before_freed = self.server_frees_lock_after - self.heartbeat_interval - TIMING_MARGIN
+        return max(self.heartbeat_interval, min(self.stall_timeout / 3, before_freed))
 
     @property
     def stopped_after(self) -> float:
@@ -504,6 +507,34 @@ class HttpSettings(Section):
     # /status shows a summary safe for the network unless the operator opts in to the full
     # report (database URL without password, host names, pids, client addresses).
     status_detail: bool = False
+
+
+class DashboardSettings(Section):
+    """The browser dashboard at ``/`` of the HTTP server (scheduler_daemon/dashboard/)."""
+
+    enabled: bool = True
+    # How often an open page's live parts are read again (server-sent events).
+    refresh: Duration = Field(default=1.0, le=60.0)
+    # Pause, resume and trigger schedules; cancel and retry publications. Off unless
+    # configured, and then only for HTTP Basic credentials user:password.
+    actions: bool = False
+    user: str = Field(default="admin", min_length=1, max_length=200, pattern=r"^[^:]+$")
+    password: SecretStr | None = None
+    # A file holding the password (a Docker or systemd secret), read at start.
+    password_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _actions_need_a_password(self) -> DashboardSettings:
+        if self.password is not None and self.password_file is not None:
+            raise ValueError("give dashboard.password or dashboard.password_file, not both")
+        if self.password is not None and len(self.password.get_secret_value()) < 12:
+            raise ValueError("dashboard.password: at least 12 characters")
+        if self.actions and self.password is None and self.password_file is None:
+            raise ValueError(
+                "dashboard.actions needs credentials: set dashboard.password_file (or "
+                "dashboard.password); the actions are refused to anyone without them"
+            )
+        return self
 
 
 class LogSettings(Section):
@@ -569,6 +600,7 @@ class Settings(BaseSettings):
     plugin: PluginSettings = Field(default_factory=PluginSettings)
     lock: LockSettings = Field(default_factory=LockSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
+    dashboard: DashboardSettings = Field(default_factory=DashboardSettings)
     log: LogSettings = Field(default_factory=LogSettings)
 
     @classmethod

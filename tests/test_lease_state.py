@@ -158,3 +158,34 @@ async def test_a_quiet_lease_found_not_holding_runs_nothing() -> None:
     assert lease.gone.is_set()
     await asyncio.wait({task}, timeout=1)
     assert task.done()
+
+
+async def test_work_waiting_for_a_proof_from_a_heartbeat_that_is_gone_ends_the_lease() -> None:
+    lease = LeaseState(1, QUIET, get_logger())
+    lease.quiet_interval = QUIET.lock.quiet_proof_interval  # as a heartbeat that then died
+    lease.last_proven -= 1.0
+
+    async def work() -> None:
+        raise AssertionError("ran without a proof")
+
+    async with asyncio.timeout(2):
+        with pytest.raises(LeadershipLost, match="heartbeat not answering"):
+            await lease.run_tick(work)
+    assert not lease.gone.is_set()  # the lock may still be ours: the work gets its grace
+
+
+async def test_work_started_on_a_quiet_stale_lease_outside_a_tick_is_proven_not_lost() -> None:
+    """Every start goes through run_tick today; one that does not is not taken for a
+    freeze: the heartbeat proves at once, and fresh() says no until it has."""
+    lease = LeaseState(1, QUIET, get_logger())
+    proofs = Proofs()
+    task = await beating(lease, proofs)
+    await asyncio.sleep(0.5)  # quiet, and stale by the step-down bound
+    work = lease.spawn(asyncio.sleep(1.0), name="work")
+    assert not lease.fresh()
+    await asyncio.sleep(0.05)
+    assert lease.fresh(), lease.reason
+    await work
+    task.cancel()
+    assert not lease.lost.is_set(), lease.reason
+    assert proofs.times[0] - (time.monotonic() - 1.05) < 0.05  # at once, not a period later

@@ -299,9 +299,9 @@ class LeaseState:
                 self.last_proven = max(self.last_proven, sent)
                 if now - self.last_proven <= bound:
                     return True
-        if self.quiet_interval is not None and not self.working:
-            # Quiet: nothing of the lease ran unproven, so there is no freeze to conclude
-            # from; the next work proves first (`proven_for_work`).
+        if self.quiet_interval is not None and (not self.working or self.proof_wanted):
+            # Quiet (or work just started on a quiet lease, its proof asked for): nothing
+            # of the lease ran unproven, so there is no freeze to conclude from.
             return False
         # The heartbeat would conclude the same when its own timer runs; whoever asks
         # first concludes it, so that nothing else of the lease runs on meanwhile.
@@ -330,7 +330,9 @@ class LeaseState:
         while self.last_proven < asked and not self.lost.is_set():
             self.proof_wanted = True
             self.replan.set()
-            await wait_any([self.proved, self.lost], self.settings.lock.step_down_after)
+            if not await wait_any([self.proved, self.lost], self.settings.lock.step_down_after):
+                # A proof is given less than that to answer: the heartbeat is gone.
+                self.lose("heartbeat not answering", gone=False)
 
     def spawn(
         self, work: Coroutine[Any, Any, T], name: str, *, service: bool = False
@@ -361,7 +363,12 @@ class LeaseState:
     def adopt(self, task: asyncio.Task[Any]) -> None:
         """Count ``task`` as work of this lease (cancelled with it, waited for by it)."""
         if self.quiet_interval is not None and not self.working:
-            self.replan.set()  # the heartbeat's pace is a working lease's from now on
+            # The heartbeat's pace is a working lease's from now on. Work normally starts
+            # on a fresh proof (run_tick); if not, it gets one now, and meanwhile fresh()
+            # says no without concluding a freeze from the quiet time.
+            if time.monotonic() - self.last_proven > self.settings.lock.heartbeat_interval:
+                self.proof_wanted = True
+            self.replan.set()
         self._work.add(task)
         task.add_done_callback(self._work.discard)
 
@@ -474,8 +481,8 @@ async def heartbeat(
         # Judged by the step-down bound: a lease with work running (or any lease, unless
         # quiet). Otherwise proven at the quiet pace, or at once when work waits for it.
         quiet_every = lease.quiet_interval
-        judged = quiet_every is None or lease.working
-        if quiet_every is None or lease.working:
+        judged = quiet_every is None or (lease.working and not lease.proof_wanted)
+        if quiet_every is None or (lease.working and not lease.proof_wanted):
             due = lease.last_proven + interval
         elif lease.proof_wanted:
             due = 0.0

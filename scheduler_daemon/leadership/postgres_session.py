@@ -16,7 +16,8 @@ The server itself ends a leader that stops talking: the lock session carries
 ``idle_session_timeout`` and ``idle_in_transaction_session_timeout`` of ``stall_timeout``.
 A leader frozen (SIGSTOP, a blocked event loop, a stuck host) keeps its TCP session up, so
 nothing else would ever free its lock; a live leader talks on it at least every
-``heartbeat_interval``, and gives up by itself long before (the timing arithmetic in
+``heartbeat_interval`` while work runs (``quiet_proof_interval``, a third of
+``stall_timeout`` at most, while none does), and gives up by itself long before (the timing arithmetic in
 config.py). No replica has to poll for stalled leaders.
 
 While leading, a heartbeat proves every ``heartbeat_interval``, on the lock connection,
