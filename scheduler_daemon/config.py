@@ -560,7 +560,8 @@ def transaction_pool_users(settings: Settings) -> dict[str, int]:
     one more connection per hold. A loop has at most one hold of its own holding the lock
     (its ticks' try-locks fail meanwhile), but a hold may still be ending while a tick that
     won after it hands the next batch to another. The HTTP endpoints share one database
-    check (``/readyz``, ``/metrics``) and one status report in flight (http.py).
+    check (``/readyz``, ``/metrics``), one status report and one dashboard read in flight
+    (http.py).
     """
     users: dict[str, int] = {}
     if settings.publish.enabled:
@@ -575,6 +576,8 @@ def transaction_pool_users(settings: Settings) -> dict[str, int]:
     if settings.http.enabled:
         users["/readyz and /metrics check"] = 1
         users["/status report"] = 1
+        if settings.dashboard.enabled:
+            users["dashboard read"] = 1
     return users or {"one-shot command": 1}
 
 

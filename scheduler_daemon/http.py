@@ -21,6 +21,8 @@ loops run. Until then the server is *starting*: it reports the startup phase
   at every scrape even where nothing polls ``/readyz``.
 - ``/metrics``: the daemon's own registry (never the process-global default one), in the
   format the scraper asks for.
+- ``/`` and below: the browser dashboard (dashboard/), unless ``dashboard.enabled`` is
+  false: its reads go one at a time (one pooled connection), its live streams end on stop.
 - ``/status``: a summary of ``collect_status()`` that is safe to show the network (no
   database URL, host names, pids or client addresses; see :func:`status.summarize`), plus
   this replica's own instance id and roles. With ``http.status_detail`` the full report
@@ -28,7 +30,7 @@ loops run. Until then the server is *starting*: it reports the startup phase
 
 Concurrent requests share one database check (``/readyz`` and ``/metrics``) and one status
 report (``/status``) in flight: however many arrive, the endpoints hold at most two pooled
-connections, which the pool's size counts on (config.transaction_pool_users).
+connections (three with the dashboard's one read at a time), which the pool's size counts on (config.transaction_pool_users).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
 from .config import Settings
+from .dashboard import Dashboard
 from .db.base import Store
 from .db.sqlfiles import migrations
 from .errors import ConfigError, describe
@@ -104,6 +107,8 @@ class HttpServer:
         self._runner: web.AppRunner | None = None
         self._probe_task: asyncio.Task[Readiness] | None = None
         self._status_task: asyncio.Task[dict[str, Any] | str] | None = None
+        # Set on stop: the dashboard's live streams end at once instead of holding it up.
+        self._closing = asyncio.Event()
 
     @property
     def store(self) -> Store:
@@ -145,6 +150,9 @@ class HttpServer:
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/status", self._status)
+        if self.settings.dashboard.enabled:
+            # Built here, not at import: reading dashboard.password_file may refuse (78).
+            Dashboard(self.settings, lambda: self._store, self.log, self._closing).routes(app)
         runner = web.AppRunner(
             app,
             handle_signals=False,  # the daemon owns SIGTERM/SIGINT
@@ -169,6 +177,7 @@ class HttpServer:
         runner, self._runner = self._runner, None
         if runner is None:
             return
+        self._closing.set()
         try:
             await runner.cleanup()
         finally:

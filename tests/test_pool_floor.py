@@ -50,9 +50,10 @@ def test_the_floor_counts_what_the_daemon_runs() -> None:
         "hold a plugin tick hands the next batch to": 1,
         "/readyz and /metrics check": 1,
         "/status report": 1,
+        "dashboard read": 1,
     }
-    assert floor(everything) == 10
-    assert floor(Settings(**transaction)) == 8  # type: ignore[arg-type]
+    assert floor(everything) == 11
+    assert floor(Settings(**transaction)) == 9  # type: ignore[arg-type]
     publish_only = Settings(**transaction, plugin={"enabled": False}, http={"enabled": False})  # type: ignore[arg-type]
     assert floor(publish_only) == 2
 
@@ -63,7 +64,7 @@ def test_the_default_pool_grows_to_the_floor_and_a_smaller_one_is_refused(
     # Session mode keeps the default; transaction mode's default is its floor.
     assert Settings().database.pool_max_size == 5
     grown = Settings(lock={"mode": "transaction"}, publish=WEBHOOK)  # type: ignore[arg-type]
-    assert grown.database.pool_max_size == 10
+    assert grown.database.pool_max_size == 11
     larger = Settings(lock={"mode": "transaction"}, database={"pool_max_size": 30})  # type: ignore[arg-type]
     assert larger.database.pool_max_size == 30
     # Set explicitly below the floor, the old floor of 4 included: exit 78 naming it.
@@ -73,7 +74,7 @@ def test_the_default_pool_grows_to_the_floor_and_a_smaller_one_is_refused(
         load_settings(None)
     message = str(refused.value)
     assert "database.pool_max_size" in message
-    assert "needs at least 8 pooled connections" in message
+    assert "needs at least 9 pooled connections" in message
     assert "got 4" in message
 
 
@@ -143,7 +144,7 @@ async def test_no_proof_waits_for_a_connection_with_everything_busy_at_once(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     settings = load_settings(None)
-    assert settings.database.pool_max_size == floor(settings) == 10  # the default, grown
+    assert settings.database.pool_max_size == floor(settings) == 11  # the default, grown
     log = io.StringIO()
     configure_logging(LogSettings(format="json", level="info"), log)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

@@ -827,3 +827,73 @@ SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
        trigger_requested_at, consecutive_failures, last_slot, last_started_at,
        last_finished_at, last_status, last_error, run_count, created_at, updated_at
 FROM scheduler_plugin_tasks ORDER BY name
+
+-- name: dashboard_schedules
+-- The dashboard's schedules page: one page in name order of the schedules whose name
+-- contains :search (any case; NULL: all), each with the number of matches.
+SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
+       timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
+       trigger_requested_at, consecutive_failures, last_slot, last_started_at,
+       last_finished_at, last_status, last_error, run_count, created_at, updated_at,
+       count(*) OVER () AS matches
+FROM scheduler_plugin_tasks
+WHERE :search::text IS NULL OR strpos(lower(name), lower(:search::text)) > 0
+ORDER BY name
+LIMIT :limit OFFSET :offset
+
+-- name: dashboard_runs
+-- Runs, newest first, older than :before (an id; NULL: from the newest); :failed: only
+-- those that failed, timed out or were abandoned (scheduler_plugin_runs_failed_idx).
+SELECT id, name, slot, instance, started_at, finished_at, status, error
+FROM scheduler_plugin_runs
+WHERE (:before::bigint IS NULL OR id < :before::bigint)
+  AND (NOT :failed::boolean OR status IN ('failed', 'timed_out', 'abandoned'))
+ORDER BY id DESC
+LIMIT :limit
+
+-- name: dashboard_schedule_runs
+-- One schedule's runs, newest slot first (the (name, slot) index).
+SELECT id, name, slot, instance, started_at, finished_at, status, error
+FROM scheduler_plugin_runs
+WHERE name = :name
+ORDER BY slot DESC
+LIMIT :limit
+
+-- name: dashboard_run
+SELECT id, name, slot, instance, started_at, finished_at, status, error
+FROM scheduler_plugin_runs WHERE id = :id
+
+-- name: dashboard_publications_upcoming
+-- Scheduled rows in the order they will be published (the due index).
+SELECT * FROM scheduler_publications
+WHERE status = 'scheduled'
+ORDER BY publish_at, id
+LIMIT :limit OFFSET :offset
+
+-- name: dashboard_publications_recent
+-- Rows no longer scheduled (:status, or any such), the latest publish_at first.
+SELECT * FROM scheduler_publications
+WHERE status <> 'scheduled' AND (:status::text IS NULL OR status = :status::text)
+ORDER BY publish_at DESC, id DESC
+LIMIT :limit OFFSET :offset
+
+-- name: dashboard_publication_lateness
+-- How late the last :sample published rows were (seconds), and the oldest due row's wait.
+SELECT (SELECT avg(extract(epoch FROM published_at - publish_at))
+        FROM (SELECT published_at, publish_at FROM scheduler_publications
+              WHERE status <> 'scheduled' AND published_at IS NOT NULL
+              ORDER BY publish_at DESC LIMIT :sample) recent) AS mean_lateness,
+       (SELECT max(extract(epoch FROM published_at - publish_at))
+        FROM (SELECT published_at, publish_at FROM scheduler_publications
+              WHERE status <> 'scheduled' AND published_at IS NOT NULL
+              ORDER BY publish_at DESC LIMIT :sample) recent) AS max_lateness,
+       (SELECT extract(epoch FROM now() - min(publish_at)) FROM scheduler_publications
+        WHERE status = 'scheduled' AND publish_at <= now()) AS oldest_due_wait
+
+-- name: publication_retry
+-- A failed publication, scheduled again (due at once: its publish_at has passed). Its
+-- attempts and last error stay, for the record; the UPDATE wakes the publish leader.
+UPDATE scheduler_publications SET status = 'scheduled', published_at = NULL,
+       published_by = NULL
+WHERE id = :id AND status = 'failed'
+RETURNING *

@@ -427,3 +427,65 @@ SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
        trigger_requested_at, consecutive_failures, last_slot, last_started_at,
        last_finished_at, last_status, last_error, run_count, created_at, updated_at
 FROM scheduler_plugin_tasks ORDER BY name
+
+-- name: dashboard_schedules
+-- As in postgres.sql.
+SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
+       timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
+       trigger_requested_at, consecutive_failures, last_slot, last_started_at,
+       last_finished_at, last_status, last_error, run_count, created_at, updated_at,
+       count(*) OVER () AS matches
+FROM scheduler_plugin_tasks
+WHERE :search IS NULL OR instr(lower(name), lower(:search)) > 0
+ORDER BY name
+LIMIT :limit OFFSET :offset
+
+-- name: dashboard_runs
+SELECT id, name, slot, instance, started_at, finished_at, status, error
+FROM scheduler_plugin_runs
+WHERE (:before IS NULL OR id < :before)
+  AND (NOT :failed OR status IN ('failed', 'timed_out', 'abandoned'))
+ORDER BY id DESC
+LIMIT :limit
+
+-- name: dashboard_schedule_runs
+SELECT id, name, slot, instance, started_at, finished_at, status, error
+FROM scheduler_plugin_runs
+WHERE name = :name
+ORDER BY slot DESC
+LIMIT :limit
+
+-- name: dashboard_run
+SELECT id, name, slot, instance, started_at, finished_at, status, error
+FROM scheduler_plugin_runs WHERE id = :id
+
+-- name: dashboard_publications_upcoming
+SELECT * FROM scheduler_publications
+WHERE status = 'scheduled'
+ORDER BY julianday(publish_at), id
+LIMIT :limit OFFSET :offset
+
+-- name: dashboard_publications_recent
+SELECT * FROM scheduler_publications
+WHERE status <> 'scheduled' AND (:status IS NULL OR status = :status)
+ORDER BY julianday(publish_at) DESC, id DESC
+LIMIT :limit OFFSET :offset
+
+-- name: dashboard_publication_lateness
+SELECT (SELECT avg((julianday(published_at) - julianday(publish_at)) * 86400.0)
+        FROM (SELECT published_at, publish_at FROM scheduler_publications
+              WHERE status <> 'scheduled' AND published_at IS NOT NULL
+              ORDER BY julianday(publish_at) DESC LIMIT :sample)) AS mean_lateness,
+       (SELECT max((julianday(published_at) - julianday(publish_at)) * 86400.0)
+        FROM (SELECT published_at, publish_at FROM scheduler_publications
+              WHERE status <> 'scheduled' AND published_at IS NOT NULL
+              ORDER BY julianday(publish_at) DESC LIMIT :sample)) AS max_lateness,
+       (SELECT (julianday('now') - min(julianday(publish_at))) * 86400.0
+        FROM scheduler_publications
+        WHERE status = 'scheduled' AND julianday(publish_at) <= julianday('now')) AS oldest_due_wait
+
+-- name: publication_retry
+UPDATE scheduler_publications SET status = 'scheduled', published_at = NULL,
+       published_by = NULL
+WHERE id = :id AND status = 'failed'
+RETURNING *
