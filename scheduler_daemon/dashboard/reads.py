@@ -171,12 +171,15 @@ class Reads:
             rows = await tx.query("dashboard_run", id=run_id)
         return _run(rows[0]) if rows else None
 
-    async def timeline(self, window: float) -> Timeline:
-        """The latest runs over the last ``window`` seconds, one lane per instance: a
-        failover shows as one lane ending and another taking over."""
+    async def timeline(self, longest: float, shortest: float = 60.0) -> Timeline:
+        """The latest runs, one lane per instance: a failover shows as one lane ending and
+        another taking over. It spans the runs shown, ``shortest`` to ``longest`` seconds
+        back."""
         async with self.store.transaction(readonly=True) as tx:
             rows = await tx.query("dashboard_runs", before=None, failed=False, limit=TIMELINE_RUNS)
         now = time.time()
+        oldest = min((row["started_at"].timestamp() for row in rows), default=now)
+        window = min(longest, max(shortest, (now - oldest) * 1.05))
         end = datetime.fromtimestamp(now, UTC)
         start = datetime.fromtimestamp(now - window, UTC)
         lanes: dict[str, list[tuple[float, float, Run]]] = {}

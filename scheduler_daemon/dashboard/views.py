@@ -36,7 +36,7 @@ from .reads import PublicationView, Reads
 # A rendering reads a handful of rows through indexes; past this the database is unwell.
 READ_TIMEOUT = 5.0
 RUN_HISTORY = 50
-TIMELINE_WINDOW = 600.0  # seconds the runs timeline spans
+TIMELINE_WINDOW = 600.0  # seconds the runs timeline spans at most
 PAGE = 50
 
 Context = dict[str, Any]

@@ -1,0 +1,287 @@
+"""The browser dashboard, in a real browser (Debian's Chromium, driven by Playwright)
+against real daemons and a real PostgreSQL.
+
+Sync tests only: while the module's browser runs, this thread's event loop is
+Playwright's (tests/rig/browser.py); the database is reached through `run_sync`.
+The cluster and runs pages' screenshots in docs/images/ are taken here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+from playwright.sync_api import Page, expect
+from rig.databases import run_sync
+from rig.processes import DaemonProcess, Daemons
+from rig.ticks import FAST_TIMINGS, PLUGIN_ONLY, RIG_APP, first_leader
+
+pytestmark = [pytest.mark.postgres, pytest.mark.processes]
+
+ROOT = Path(__file__).resolve().parent.parent
+IMAGES = ROOT / "docs" / "images"
+PASSWORD = "correct horse battery staple"
+CREDENTIALS = {"username": "ops", "password": PASSWORD}
+TASKS = [
+    {"name": "steady", "every": "1s", "sql": "SELECT 1"},
+    {"name": "broken", "every": "1s", "sql": "SELECT * FROM no_such_table_here"},
+]
+
+
+def replica_env(url: str, instance: str, **extra: str) -> dict[str, str]:
+    return {
+        "SCHEDULER_DATABASE_URL": url,
+        "SCHEDULER_INSTANCE_ID": instance,
+        **FAST_TIMINGS,
+        "SCHEDULER_PLUGIN__TASKS": json.dumps(TASKS),
+        "SCHEDULER_HTTP__ENABLED": "true",
+        "SCHEDULER_HTTP__PORT": "0",
+        "SCHEDULER_DASHBOARD__REFRESH": "0.5",
+        "SCHEDULER_DASHBOARD__ACTIONS": "true",
+        "SCHEDULER_DASHBOARD__USER": CREDENTIALS["username"],
+        "SCHEDULER_DASHBOARD__PASSWORD": PASSWORD,
+        **extra,
+    }
+
+
+def base_url(process: DaemonProcess) -> str:
+    port = process.wait_for_log("http.started", timeout=20)["port"]
+    return f"http://127.0.0.1:{port}"
+
+
+async def _query(url: str, sql: str, *args: Any) -> list[dict[str, Any]]:
+    conn = await asyncpg.connect(url, server_settings=RIG_APP)
+    try:
+        return [dict(row) for row in await conn.fetch(sql, *args)]
+    finally:
+        await conn.close()
+
+
+def query(url: str, sql: str, *args: Any) -> list[dict[str, Any]]:
+    return run_sync(_query(url, sql, *args))
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        time.sleep(0.05)
+
+
+def post(url: str, form: dict[str, str], auth: tuple[str, str] | None = None,
+         origin: str | None = None) -> int:  # fmt: skip
+    data = "&".join(f"{k}={urllib.request.quote(v)}" for k, v in form.items()).encode()
+    request = urllib.request.Request(url, data=data, method="POST")
+    request.add_header("Content-Type", "application/x-www-form-urlencoded")
+    if auth is not None:
+        import base64
+
+        token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    if origin is not None:
+        request.add_header("Origin", origin)
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args: Any) -> None:
+            return None
+
+    opener = urllib.request.build_opener(NoRedirect)
+    try:
+        with opener.open(request, timeout=10) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+
+
+def get(url: str, auth: tuple[str, str] | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url)
+    if auth is not None:
+        import base64
+
+        token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return int(response.status), response.read().decode()
+    except urllib.error.HTTPError as error:
+        return int(error.code), error.read().decode()
+
+
+def test_the_page_follows_a_failover_shows_failures_and_pauses_a_schedule(
+    pg_url: str, daemons: Daemons, new_page: Callable[..., Page]
+) -> None:
+    replicas = [
+        daemons.start(replica_env(pg_url, f"dash-{n}"), PLUGIN_ONLY, name=f"dash-{n}")
+        for n in range(2)
+    ]
+    leader = first_leader(replicas)
+    other = next(r for r in replicas if r is not leader)
+    page = new_page(timezone_id="Europe/Berlin")
+    page.goto(base_url(other) + "/")
+    plugin_leader = page.locator('dd.leader[data-loop="plugin"]')
+    expect(plugin_leader).to_have_text(leader.name)
+    # Times in the viewer's zone once the script ran, UTC on hover.
+    since = page.locator("#loop-plugin ~ dl time").first
+    expect(since).to_have_attribute("title", re.compile(r"UTC$"))
+    expect(since).not_to_have_text(re.compile(r"UTC$"))
+    page.screenshot(path=str(IMAGES / "dashboard-cluster.png"), full_page=True)
+
+    killed = time.monotonic()
+    leader.signal(signal.SIGKILL)
+    expect(plugin_leader).to_have_text(other.name, timeout=2000)  # no reload
+    shown_after = time.monotonic() - killed
+    print(f"new leader shown {shown_after:.2f}s after SIGKILL")
+
+    # A run that fails shows its error on the runs page, and in the timeline.
+    page.goto(base_url(other) + "/runs?failed=1")
+    expect(page.locator("table.runs")).to_contain_text("no_such_table_here")
+    page.goto(base_url(other) + "/runs")
+    expect(page.locator("svg.timeline rect.bar-failed").first).to_be_attached()
+    page.screenshot(path=str(IMAGES / "dashboard-runs.png"), full_page=True)
+
+    # Pausing from the page pauses it in the database, and the leader skips it.
+    operator = new_page(http_credentials=CREDENTIALS)
+    operator.goto(base_url(other) + "/login?next=/schedules/steady")
+    expect(operator.locator("button", has_text="Pause")).to_be_visible()
+    operator.locator("button", has_text="Pause").click()
+    expect(operator.locator("dd.state")).to_have_text("paused")
+    [row] = query(pg_url, "SELECT paused FROM scheduler_plugin_tasks WHERE name = 'steady'")
+    assert row["paused"] is True
+    paused_at = query(pg_url, "SELECT now() AS now")[0]["now"]
+    time.sleep(3.0)  # three slots of `steady`
+    started = query(pg_url, "SELECT count(*) AS n FROM scheduler_plugin_runs "
+                    "WHERE name = 'steady' AND started_at > $1", paused_at)  # fmt: skip
+    broken = query(pg_url, "SELECT count(*) AS n FROM scheduler_plugin_runs "
+                   "WHERE name = 'broken' AND started_at > $1", paused_at)  # fmt: skip
+    assert started[0]["n"] == 0
+    assert broken[0]["n"] >= 2  # the leader leads on, and skips only the paused one
+    log = [e for e in other.log_events() if e.get("event") == "dashboard.action"]
+    assert log[-1]["user"] == "ops"
+    assert log[-1]["action"] == "schedule.pause"
+    assert PASSWORD not in other.output()
+
+
+def test_actions_need_credentials_and_the_pages_token(pg_url: str, daemons: Daemons) -> None:
+    """Refused without credentials, with a wrong or missing CSRF token, or from another
+    site's page; nothing changes. With both: pause, cancel and retry do what they say."""
+    process = daemons.start(replica_env(pg_url, "dash-act"), PLUGIN_ONLY, name="dash-act")
+    url = base_url(process)
+    auth = (CREDENTIALS["username"], PASSWORD)
+    wait_until(
+        lambda: bool(query(pg_url, "SELECT 1 FROM scheduler_plugin_tasks WHERE name = 'steady'")),
+        20, "the leader declared its tasks",
+    )  # fmt: skip
+    [row] = query(pg_url, "INSERT INTO scheduler_publications (publish_at, payload) "
+                  "VALUES (now() + interval '1 hour', '{}') RETURNING id")  # fmt: skip
+    pid = row["id"]
+    action = f"{url}/actions/schedules/steady/pause"
+
+    assert post(action, {"csrf": "x"}) == 401  # no credentials
+    assert post(action, {"csrf": "x"}, auth=("ops", "wrong password here")) == 401
+    assert post(action, {}, auth=auth) == 403  # no token
+    assert post(action, {"csrf": "123.abc"}, auth=auth) == 403  # a forged one
+    # A token for another action does not do this one.
+    status, html = get(f"{url}/publications/{pid}", auth=auth)
+    assert status == 200
+    cancel_token = re.search(r'name="csrf" value="([^"]+)"', html)
+    assert cancel_token is not None
+    assert post(action, {"csrf": cancel_token[1]}, auth=auth) == 403
+    [row] = query(pg_url, "SELECT paused FROM scheduler_plugin_tasks WHERE name = 'steady'")
+    assert row["paused"] is False
+    # Without credentials a page offers no form, hence no token.
+    assert 'name="csrf"' not in get(f"{url}/schedules/steady")[1]
+
+    status, html = get(f"{url}/schedules/steady", auth=auth)
+    token = re.search(r'action="/actions/schedules/steady/pause"[^>]*>\s*<input type="hidden" '
+                      r'name="csrf" value="([^"]+)"', html)  # fmt: skip
+    assert token is not None
+    assert post(action, {"csrf": token[1]}, auth=auth, origin="https://evil.example") == 403
+    assert post(action, {"csrf": token[1], "next": "https://evil.example/"}, auth=auth) == 303
+    [row] = query(pg_url, "SELECT paused FROM scheduler_plugin_tasks WHERE name = 'steady'")
+    assert row["paused"] is True
+
+    assert post(f"{url}/actions/publications/{pid}/cancel", {"csrf": cancel_token[1]},
+                auth=auth) == 303  # fmt: skip
+    query(pg_url, "UPDATE scheduler_publications SET status = 'failed', published_at = now(), "
+          "last_error = 'boom' WHERE id = $1", pid)  # fmt: skip
+    status, html = get(f"{url}/publications/{pid}", auth=auth)
+    retry = re.search(r'name="csrf" value="([^"]+)"', html)
+    assert retry is not None
+    assert post(f"{url}/actions/publications/{pid}/retry", {"csrf": retry[1]}, auth=auth) == 303
+    statuses = query(pg_url, "SELECT status FROM scheduler_publications WHERE id = $1", pid)
+    assert statuses[0]["status"] in ("scheduled", "published")
+    refused = [e for e in process.log_events() if e.get("event") == "dashboard.action_refused"]
+    assert len(refused) == 6
+    assert PASSWORD not in process.output()
+
+
+def test_ten_thousand_schedules_page_fast_and_search_by_name(
+    pg_url: str, daemons: Daemons, new_page: Callable[..., Page]
+) -> None:
+    query(
+        pg_url,
+        "INSERT INTO scheduler_runnable_targets (target) VALUES ('sample.noop') "
+        "ON CONFLICT DO NOTHING",
+    )
+    query(
+        pg_url,
+        "INSERT INTO scheduler_plugin_tasks (name, schedule, next_run_at, source, target, "
+        "every_seconds) SELECT format('sched-%s', lpad(n::text, 5, '0')), 'every 1h', "
+        "now() + interval '1 hour', 'runtime', 'sample.noop', 3600 "
+        "FROM generate_series(1, 10000) n",
+    )
+    process = daemons.start(
+        replica_env(pg_url, "dash-10k", SCHEDULER_PLUGIN__ENABLED="false"), name="dash-10k"
+    )
+    url = base_url(process)
+    page = new_page()
+    page.goto(url + "/schedules")  # warm: the first request imports templates
+    began = time.monotonic()
+    page.goto(url + "/schedules")
+    expect(page.locator("table.schedules tbody tr")).to_have_count(50)
+    first_page = time.monotonic() - began
+    print(f"schedules page with 10,000 schedules: {first_page * 1000:.0f} ms")
+    assert first_page < 1.0
+    expect(page.locator("p.count")).to_contain_text("10000 schedules")
+    page.fill("#q", "sched-07342")
+    page.keyboard.press("Enter")
+    expect(page.locator("table.schedules tbody tr")).to_have_count(1)
+    page.locator("a", has_text="sched-07342").click()
+    expect(page).to_have_url(re.compile(r"/schedules/sched-07342$"))
+
+
+def test_a_port_others_reach_shows_no_payloads_or_errors_without_opting_in(
+    pg_url: str, daemons: Daemons
+) -> None:
+    marker = "payload-marker-7f3a"
+    [row] = query(pg_url, "INSERT INTO scheduler_publications (publish_at, payload, status, "
+                  "published_at, last_error, attempts) VALUES (now(), $1::jsonb, 'failed', now(), "
+                  "'error-marker-91c2', 1) RETURNING id", json.dumps({"secret": marker}))  # fmt: skip
+    process = daemons.start(
+        replica_env(pg_url, "dash-net", SCHEDULER_HTTP__HOST="0.0.0.0"), PLUGIN_ONLY,
+        name="dash-net",
+    )  # fmt: skip
+    url = base_url(process)
+    wait_until(
+        lambda: bool(query(pg_url, "SELECT 1 FROM scheduler_plugin_runs WHERE status = 'failed'")),
+        20, "a failed run",
+    )  # fmt: skip
+    [run] = query(pg_url, "SELECT id FROM scheduler_plugin_runs WHERE status = 'failed' LIMIT 1")
+    pages = ["/", "/runs", "/runs?failed=1", f"/runs/{run['id']}", "/schedules",
+             "/schedules/broken", "/publications?view=recent", f"/publications/{row['id']}"]  # fmt: skip
+    for path in pages:
+        status, html = get(url + path)
+        assert status == 200, path
+        for secret in (marker, "error-marker-91c2", "no_such_table_here", "postgresql://"):
+            assert secret not in html, (path, secret)
+        assert "Summary view" in html
