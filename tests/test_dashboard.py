@@ -2,12 +2,13 @@
 against real daemons and a real PostgreSQL.
 
 Sync tests only: while the module's browser runs, this thread's event loop is
-Playwright's (tests/rig/browser.py); the database is reached through `run_sync`.
+Playwright's (tests/rig/browser.py); `rig.sql.fetch` reads the database from a thread.
 The cluster and runs pages' screenshots in docs/images/ are taken here.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import signal
@@ -18,12 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 from playwright.sync_api import Page, expect
-from rig.databases import run_sync
 from rig.processes import DaemonProcess, Daemons
-from rig.ticks import FAST_TIMINGS, PLUGIN_ONLY, RIG_APP, first_leader
+from rig.sql import fetch
+from rig.ticks import FAST_TIMINGS, PLUGIN_ONLY, first_leader
+from rig.waiting import wait_until
 
 pytestmark = [pytest.mark.postgres, pytest.mark.processes]
 
@@ -58,24 +59,8 @@ def base_url(process: DaemonProcess) -> str:
     return f"http://127.0.0.1:{port}"
 
 
-async def _query(url: str, sql: str, *args: Any) -> list[dict[str, Any]]:
-    conn = await asyncpg.connect(url, server_settings=RIG_APP)
-    try:
-        return [dict(row) for row in await conn.fetch(sql, *args)]
-    finally:
-        await conn.close()
-
-
-def query(url: str, sql: str, *args: Any) -> list[dict[str, Any]]:
-    return run_sync(_query(url, sql, *args))
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.05)
+def basic(user: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
 
 def post(url: str, form: dict[str, str], auth: tuple[str, str] | None = None,
@@ -84,10 +69,7 @@ def post(url: str, form: dict[str, str], auth: tuple[str, str] | None = None,
     request = urllib.request.Request(url, data=data, method="POST")
     request.add_header("Content-Type", "application/x-www-form-urlencoded")
     if auth is not None:
-        import base64
-
-        token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
-        request.add_header("Authorization", f"Basic {token}")
+        request.add_header("Authorization", basic(*auth))
     if origin is not None:
         request.add_header("Origin", origin)
 
@@ -106,10 +88,7 @@ def post(url: str, form: dict[str, str], auth: tuple[str, str] | None = None,
 def get(url: str, auth: tuple[str, str] | None = None) -> tuple[int, str]:
     request = urllib.request.Request(url)
     if auth is not None:
-        import base64
-
-        token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
-        request.add_header("Authorization", f"Basic {token}")
+        request.add_header("Authorization", basic(*auth))
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return int(response.status), response.read().decode()
@@ -155,16 +134,18 @@ def test_the_page_follows_a_failover_shows_failures_and_pauses_a_schedule(
     expect(operator.locator("button", has_text="Pause")).to_be_visible()
     operator.locator("button", has_text="Pause").click()
     expect(operator.locator("dd.state")).to_have_text("paused")
-    [row] = query(pg_url, "SELECT paused FROM scheduler_plugin_tasks WHERE name = 'steady'")
+    [row] = fetch(pg_url, "SELECT paused FROM scheduler_plugin_tasks WHERE name = 'steady'")
     assert row["paused"] is True
-    paused_at = query(pg_url, "SELECT now() AS now")[0]["now"]
-    time.sleep(3.0)  # three slots of `steady`
-    started = query(pg_url, "SELECT count(*) AS n FROM scheduler_plugin_runs "
-                    "WHERE name = 'steady' AND started_at > $1", paused_at)  # fmt: skip
-    broken = query(pg_url, "SELECT count(*) AS n FROM scheduler_plugin_runs "
-                   "WHERE name = 'broken' AND started_at > $1", paused_at)  # fmt: skip
-    assert started[0]["n"] == 0
-    assert broken[0]["n"] >= 2  # the leader leads on, and skips only the paused one
+    paused_at = fetch(pg_url, "SELECT now() AS now")[0]["now"]
+
+    def runs_since(name: str) -> int:
+        rows = fetch(pg_url, "SELECT count(*) AS n FROM scheduler_plugin_runs "
+                     "WHERE name = $1 AND started_at > $2", name, paused_at)  # fmt: skip
+        return int(rows[0]["n"])
+
+    # The leader leads on: three slots of `broken`, every second like `steady`'s...
+    wait_until(lambda: runs_since("broken") >= 3, 15, "three runs of the other task")
+    assert runs_since("steady") == 0  # ...and skips only the paused one
     log = [e for e in other.log_events() if e.get("event") == "dashboard.action"]
     assert log[-1]["user"] == "ops"
     assert log[-1]["action"] == "schedule.pause"
@@ -178,10 +159,10 @@ def test_actions_need_credentials_and_the_pages_token(pg_url: str, daemons: Daem
     url = base_url(process)
     auth = (CREDENTIALS["username"], PASSWORD)
     wait_until(
-        lambda: bool(query(pg_url, "SELECT 1 FROM scheduler_plugin_tasks WHERE name = 'steady'")),
+        lambda: bool(fetch(pg_url, "SELECT 1 FROM scheduler_plugin_tasks WHERE name = 'steady'")),
         20, "the leader declared its tasks",
     )  # fmt: skip
-    [row] = query(pg_url, "INSERT INTO scheduler_publications (publish_at, payload) "
+    [row] = fetch(pg_url, "INSERT INTO scheduler_publications (publish_at, payload) "
                   "VALUES (now() + interval '1 hour', '{}') RETURNING id")  # fmt: skip
     pid = row["id"]
     action = f"{url}/actions/schedules/steady/pause"
@@ -196,7 +177,7 @@ def test_actions_need_credentials_and_the_pages_token(pg_url: str, daemons: Daem
     cancel_token = re.search(r'name="csrf" value="([^"]+)"', html)
     assert cancel_token is not None
     assert post(action, {"csrf": cancel_token[1]}, auth=auth) == 403
-    [row] = query(pg_url, "SELECT paused FROM scheduler_plugin_tasks WHERE name = 'steady'")
+    [row] = fetch(pg_url, "SELECT paused FROM scheduler_plugin_tasks WHERE name = 'steady'")
     assert row["paused"] is False
     # Without credentials a page offers no form, hence no token.
     assert 'name="csrf"' not in get(f"{url}/schedules/steady")[1]
@@ -207,18 +188,18 @@ def test_actions_need_credentials_and_the_pages_token(pg_url: str, daemons: Daem
     assert token is not None
     assert post(action, {"csrf": token[1]}, auth=auth, origin="https://evil.example") == 403
     assert post(action, {"csrf": token[1], "next": "https://evil.example/"}, auth=auth) == 303
-    [row] = query(pg_url, "SELECT paused FROM scheduler_plugin_tasks WHERE name = 'steady'")
+    [row] = fetch(pg_url, "SELECT paused FROM scheduler_plugin_tasks WHERE name = 'steady'")
     assert row["paused"] is True
 
     assert post(f"{url}/actions/publications/{pid}/cancel", {"csrf": cancel_token[1]},
                 auth=auth) == 303  # fmt: skip
-    query(pg_url, "UPDATE scheduler_publications SET status = 'failed', published_at = now(), "
+    fetch(pg_url, "UPDATE scheduler_publications SET status = 'failed', published_at = now(), "
           "last_error = 'boom' WHERE id = $1", pid)  # fmt: skip
     status, html = get(f"{url}/publications/{pid}", auth=auth)
     retry = re.search(r'name="csrf" value="([^"]+)"', html)
     assert retry is not None
     assert post(f"{url}/actions/publications/{pid}/retry", {"csrf": retry[1]}, auth=auth) == 303
-    statuses = query(pg_url, "SELECT status FROM scheduler_publications WHERE id = $1", pid)
+    statuses = fetch(pg_url, "SELECT status FROM scheduler_publications WHERE id = $1", pid)
     assert statuses[0]["status"] in ("scheduled", "published")
     refused = [e for e in process.log_events() if e.get("event") == "dashboard.action_refused"]
     assert len(refused) == 6
@@ -228,12 +209,12 @@ def test_actions_need_credentials_and_the_pages_token(pg_url: str, daemons: Daem
 def test_ten_thousand_schedules_page_fast_and_search_by_name(
     pg_url: str, daemons: Daemons, new_page: Callable[..., Page]
 ) -> None:
-    query(
+    fetch(
         pg_url,
         "INSERT INTO scheduler_runnable_targets (target) VALUES ('sample.noop') "
         "ON CONFLICT DO NOTHING",
     )
-    query(
+    fetch(
         pg_url,
         "INSERT INTO scheduler_plugin_tasks (name, schedule, next_run_at, source, target, "
         "every_seconds) SELECT format('sched-%s', lpad(n::text, 5, '0')), 'every 1h', "
@@ -264,7 +245,7 @@ def test_a_port_others_reach_shows_no_payloads_or_errors_without_opting_in(
     pg_url: str, daemons: Daemons
 ) -> None:
     marker = "payload-marker-7f3a"
-    [row] = query(pg_url, "INSERT INTO scheduler_publications (publish_at, payload, status, "
+    [row] = fetch(pg_url, "INSERT INTO scheduler_publications (publish_at, payload, status, "
                   "published_at, last_error, attempts) VALUES (now(), $1::jsonb, 'failed', now(), "
                   "'error-marker-91c2', 1) RETURNING id", json.dumps({"secret": marker}))  # fmt: skip
     process = daemons.start(
@@ -273,10 +254,10 @@ def test_a_port_others_reach_shows_no_payloads_or_errors_without_opting_in(
     )  # fmt: skip
     url = base_url(process)
     wait_until(
-        lambda: bool(query(pg_url, "SELECT 1 FROM scheduler_plugin_runs WHERE status = 'failed'")),
+        lambda: bool(fetch(pg_url, "SELECT 1 FROM scheduler_plugin_runs WHERE status = 'failed'")),
         20, "a failed run",
     )  # fmt: skip
-    [run] = query(pg_url, "SELECT id FROM scheduler_plugin_runs WHERE status = 'failed' LIMIT 1")
+    [run] = fetch(pg_url, "SELECT id FROM scheduler_plugin_runs WHERE status = 'failed' LIMIT 1")
     pages = ["/", "/runs", "/runs?failed=1", f"/runs/{run['id']}", "/schedules",
              "/schedules/broken", "/publications?view=recent", f"/publications/{row['id']}"]  # fmt: skip
     for path in pages:

@@ -172,28 +172,6 @@ class Reads:
             rows = await tx.query("dashboard_run", id=run_id)
         return _run(rows[0]) if rows else None
 
-    async def timeline(self, longest: float, shortest: float = 60.0) -> Timeline:
-        """The latest runs, one lane per instance: a failover shows as one lane ending and
-        another taking over. It spans the runs shown, ``shortest`` to ``longest`` seconds
-        back."""
-        async with self.store.transaction(readonly=True) as tx:
-            rows = await tx.query("dashboard_runs", before=None, failed=False, limit=TIMELINE_RUNS)
-        now = time.time()
-        oldest = min((row["started_at"].timestamp() for row in rows), default=now)
-        window = min(longest, max(shortest, (now - oldest) * 1.05))
-        end = datetime.fromtimestamp(now, UTC)
-        start = datetime.fromtimestamp(now - window, UTC)
-        lanes: dict[str, list[tuple[float, float, Run]]] = {}
-        for run in map(_run, rows):
-            finished = run.finished_at or end
-            if finished < start:
-                continue
-            left = max(0.0, (run.started_at - start).total_seconds() / window)
-            right = min(1.0, (finished - start).total_seconds() / window)
-            lanes.setdefault(run.instance, []).append((left, max(right, left), run))
-        ordered = [Lane(instance, bars[::-1]) for instance, bars in sorted(lanes.items())]
-        return Timeline(start, end, ordered, sum(len(lane.bars) for lane in ordered))
-
     async def publications(
         self, view: PublicationView, status: str | None, offset: int, limit: int
     ) -> PublicationPage:
@@ -206,20 +184,38 @@ class Reads:
                 )
             [late] = await tx.query("dashboard_publication_lateness", sample=100)
         stats = await self.store.publication_stats()
-        lateness = Lateness(late["mean_lateness"], late["max_lateness"], late["oldest_due_wait"])
-        return PublicationPage(
-            view, status, [_publication(row) for row in rows], offset, limit, stats,
-            _seconds(lateness),
+        lateness = Lateness(
+            _seconds(late["mean_lateness"]), _seconds(late["max_lateness"]),
+            _seconds(late["oldest_due_wait"]),
         )  # fmt: skip
+        rows_read = [_publication(row) for row in rows]
+        return PublicationPage(view, status, rows_read, offset, limit, stats, lateness)
 
     async def publication(self, publication_id: int) -> Publication | None:
         return await self.store.get(publication_id)
 
 
-def _seconds(lateness: Lateness) -> Lateness:
-    """PostgreSQL's numeric as float seconds."""
+def _seconds(value: Any) -> float | None:
+    """Seconds as a float (PostgreSQL's ``extract`` gives a numeric)."""
+    return None if value is None else float(value)
 
-    def number(value: Any) -> float | None:
-        return None if value is None else float(value)
 
-    return Lateness(number(lateness.mean), number(lateness.worst), number(lateness.oldest_due_wait))
+def timeline(runs: list[Run], longest: float, shortest: float = 60.0) -> Timeline:
+    """``runs`` (newest first), one lane per instance: a failover shows as one lane ending
+    and another taking over. It spans the runs given, ``shortest`` to ``longest`` seconds
+    back from now."""
+    now = time.time()
+    oldest = min((run.started_at.timestamp() for run in runs), default=now)
+    window = min(longest, max(shortest, (now - oldest) * 1.05))
+    end = datetime.fromtimestamp(now, UTC)
+    start = datetime.fromtimestamp(now - window, UTC)
+    lanes: dict[str, list[tuple[float, float, Run]]] = {}
+    for run in runs:
+        finished = run.finished_at or end
+        if finished < start:
+            continue
+        left = max(0.0, (run.started_at - start).total_seconds() / window)
+        right = min(1.0, (finished - start).total_seconds() / window)
+        lanes.setdefault(run.instance, []).append((left, max(right, left), run))
+    ordered = [Lane(instance, bars[::-1]) for instance, bars in sorted(lanes.items())]
+    return Timeline(start, end, ordered, sum(len(lane.bars) for lane in ordered))

@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import ipaddress
+import json
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.resources import files
 from typing import Any
+from urllib.parse import quote
 
 import jinja2
 from aiohttp import web
@@ -31,7 +33,7 @@ from ..errors import InvalidInput, NotFound, describe
 from ..logs import Logger
 from ..status import summarize
 from .auth import Credentials, challenge, read_password, same_origin
-from .reads import PublicationView, Reads
+from .reads import TIMELINE_RUNS, PublicationView, Reads, RunPage, timeline
 
 # A rendering reads a handful of rows through indexes; past this the database is unwell.
 READ_TIMEOUT = 5.0
@@ -121,8 +123,6 @@ def _span(seconds: Any) -> str:
 
 
 def _pretty(value: Any) -> str:
-    import json
-
     return json.dumps(value, indent=2, sort_keys=True, default=str)
 
 
@@ -186,7 +186,7 @@ class Dashboard:
     def _page_handler(self, page: Page) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handler(request: web.Request) -> web.Response:
             context = await self._render_context(page.fragment, request)
-            key = request.match_info.get("name") or request.match_info.get("id")
+            key = _key(request)
             live = f"/live/{page.fragment}" + (f"/{_quote(key)}" if key else "")
             if request.query_string:
                 live += f"?{request.query_string}"
@@ -265,12 +265,12 @@ class Dashboard:
 
     async def _schedules(self, request: web.Request) -> Context:
         search = request.query.get("q", "").strip() or None
-        offset = _number(request.query.get("offset"), 0)
+        offset = _number(request.query.get("offset")) or 0
         page = await self._reads().schedules(search, offset, PAGE)
         return {"schedules": page}
 
     async def _schedule(self, request: web.Request) -> Context:
-        name = request.match_info.get("name") or request.match_info.get("key", "")
+        name = _key(request)
         record, runs = await self._reads().schedule(name, RUN_HISTORY)
         if record is None:
             return {"missing": f"no schedule named {name!r}", "status_code": 404, "name": name}
@@ -278,14 +278,21 @@ class Dashboard:
 
     async def _runs(self, request: web.Request) -> Context:
         failed = request.query.get("failed") == "1"
-        before = _number(request.query.get("before"), None)
+        before = _number(request.query.get("before"))
         reads = self._reads()
-        page = await reads.runs(failed, before, PAGE)
-        timeline = await reads.timeline(TIMELINE_WINDOW) if before is None else None
-        return {"runs": page, "timeline": timeline}
+        if before is not None:
+            return {"runs": await reads.runs(failed, before, PAGE), "timeline": None}
+        # The newest page of runs is the start of what the timeline pictures: one read.
+        latest = await reads.runs(False, None, TIMELINE_RUNS)
+        page = (
+            await reads.runs(True, None, PAGE)
+            if failed
+            else RunPage(latest.runs[:PAGE], False, None, PAGE)
+        )
+        return {"runs": page, "timeline": timeline(latest.runs, TIMELINE_WINDOW)}
 
     async def _run(self, request: web.Request) -> Context:
-        run_id = _number(request.match_info.get("id") or request.match_info.get("key"), 0)
+        run_id = _number(_key(request)) or 0
         run = await self._reads().run(run_id)
         if run is None:
             return {"missing": f"no run {run_id}", "status_code": 404, "run_id": run_id}
@@ -296,12 +303,12 @@ class Dashboard:
         status = request.query.get("status") or None
         if status not in (None, "published", "failed", "cancelled"):
             status = None
-        offset = _number(request.query.get("offset"), 0)
+        offset = _number(request.query.get("offset")) or 0
         page = await self._reads().publications(view, status, offset, PAGE)
         return {"publications": page}
 
     async def _publication(self, request: web.Request) -> Context:
-        pid = _number(request.match_info.get("id") or request.match_info.get("key"), 0)
+        pid = _number(_key(request)) or 0
         publication = await self._reads().publication(pid)
         if publication is None:
             return {"missing": f"no publication {pid}", "status_code": 404, "publication_id": pid}
@@ -395,15 +402,21 @@ _SECURITY_HEADERS = {
 }
 
 
-def _number(text: str | None, default: Any) -> Any:
+def _number(text: str | None) -> int | None:
+    """A whole number from the URL (a bigint's worth of digits), or None."""
     if text is None or not text.isdigit() or len(text) > 18:
-        return default
+        return None
     return int(text)
 
 
-def _quote(text: str) -> str:
-    from urllib.parse import quote
+def _key(request: web.Request) -> str:
+    """The schedule's name or the id a page (``/runs/{id}``) or its live stream
+    (``/live/run/{key}``) names."""
+    info = request.match_info
+    return info.get("name") or info.get("id") or info.get("key", "")
 
+
+def _quote(text: str) -> str:
     return quote(text, safe="")
 
 

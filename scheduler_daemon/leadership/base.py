@@ -482,7 +482,7 @@ async def heartbeat(
         # quiet). Otherwise proven at the quiet pace, or at once when work waits for it.
         quiet_every = lease.quiet_interval
         judged = quiet_every is None or (lease.working and not lease.proof_wanted)
-        if quiet_every is None or (lease.working and not lease.proof_wanted):
+        if judged or quiet_every is None:  # (the second: for the type checker)
             due = lease.last_proven + interval
         elif lease.proof_wanted:
             due = 0.0
@@ -492,10 +492,7 @@ async def heartbeat(
         # transactions prove the lock too, and then no heartbeat is needed.
         wait = due - time.monotonic()
         if wait > 0:
-            if quiet_every is None:
-                await asyncio.sleep(wait)
-            else:
-                await wait_any([lease.replan], wait)
+            await wait_any([lease.replan], wait)  # set only for a quiet lease
             continue
         if judged and not lease.fresh():  # a freeze: fresh() ended the lease
             return

@@ -1,7 +1,8 @@
 """Ad-hoc SQL against either backend, for tests to arrange and inspect state.
 
 Write PostgreSQL placeholders (``$1``); for SQLite they become ``?1``. Rows come back as
-dicts. ``fetch`` is for sync tests, ``afetch`` for async ones (asyncio.run cannot nest).
+dicts. ``fetch`` is for sync tests (on an event loop of its own, in a thread, so a sync test
+whose thread runs Playwright's loop can use it too), ``afetch`` for async ones.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import aiosqlite
 import asyncpg
 
+from rig.databases import run_sync
 from scheduler_daemon.db.sqlite import from_db_row, to_db_value
 from scheduler_daemon.db.url import DatabaseUrl
 
@@ -63,7 +65,7 @@ def fetch(url: str, sql: str, *params: Any, timeout: float | None = None) -> lis
     """`timeout`: for all of it, connecting included (asking a server that may be down)."""
     if url.startswith("sqlite"):
         return _sqlite_fetch(url, sql, params)
-    return asyncio.run(asyncio.wait_for(afetch(url, sql, *params), timeout))
+    return run_sync(asyncio.wait_for(afetch(url, sql, *params), timeout))
 
 
 def execute(url: str, sql: str) -> None:
