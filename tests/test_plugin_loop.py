@@ -159,10 +159,13 @@ def events(logs: list[dict[str, Any]], name: str, **fields: Any) -> list[dict[st
 
 
 async def test_interval_task_runs_each_slot_once(database_url: str, db: Db) -> None:
-    period = timedelta(milliseconds=300)
+    # The sync target's worker process must start and end within its period, or its next
+    # slot is rightly skipped (one instance at a time): 300 ms was outlasted on a loaded
+    # machine (a skipped_overlap in both full-suite runs of 2026-12-02), 700 ms leaves room.
+    periods = {"async": 300, "sync": 700, "bare": 300}
     tasks = [
         task("async", every="300ms", target="plugin_targets:tick"),
-        task("sync", every="300ms", target="plugin_targets:tick_sync"),
+        task("sync", every="700ms", target="plugin_targets:tick_sync"),
         task("bare", every="300ms", target="plugin_targets:no_context"),
     ]
     async with running(database_url, tasks):
@@ -177,6 +180,7 @@ async def test_interval_task_runs_each_slot_once(database_url: str, db: Db) -> N
         assert all(run["instance"] == "replica-1" and run["finished_at"] for run in runs)
         # Slots keep the phase of the first: whole periods apart (more than one only if a
         # tick came a whole period late, which the misfire policy turned into one run).
+        period = timedelta(milliseconds=periods[name])
         for earlier, later in pairwise(slots):
             assert (later - earlier) % period == timedelta(0), (earlier, later)
         state = await db.task(name)
