@@ -92,14 +92,18 @@ def test_check_config_refuses_a_malformed_whsec_secret(tmp_path: Path) -> None:
 @dataclass
 class Receiver:
     """An HTTP endpoint that keeps each request's headers and raw body, and answers 500
-    to the first one (so the daemon retries) and 200 to the rest."""
+    to the first one (so the daemon retries) and 200 to the rest, a moment later: a
+    SIGTERM sent on the second request's arrival lands while that POST is in flight."""
 
     requests: list[tuple[dict[str, str], bytes]] = field(default_factory=list)
     url: str = ""
 
     async def handle(self, request: web.Request) -> web.Response:
         self.requests.append((dict(request.headers), await request.read()))
-        return web.Response(status=500 if len(self.requests) == 1 else 200)
+        if len(self.requests) == 1:
+            return web.Response(status=500)
+        await asyncio.sleep(0.5)
+        return web.Response(status=200)
 
 
 @pytest.fixture
@@ -193,4 +197,5 @@ async def test_a_standard_webhooks_library_verifies_what_the_daemon_sends(
         "SELECT status, attempts FROM scheduler_webhook_outbox WHERE publication_id = $1",
         publication,
     )
+    # The stop let the POST in flight end and recorded it: the next leader will not resend.
     assert outbox == {"status": "delivered", "attempts": 2}

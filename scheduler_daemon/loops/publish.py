@@ -349,6 +349,8 @@ class PublishWork:
     async def leadership_ended(self, graceful: bool) -> None:
         self._lease = None
         if self._delivering is not None:
+            if graceful and self._deliverer is not None:
+                await self._deliverer.finish()  # the POSTs in flight end and are recorded
             self._delivering.cancel()  # a stop: the guard waits for it to end
             self._delivering = None
             self._deliverer = None

@@ -179,6 +179,16 @@ class WebhookDeliverer:
         self.metrics = metrics
         self.log = log
         self.poke = asyncio.Event()
+        self.finishing = False
+        self.between_rounds = asyncio.Event()
+        self.between_rounds.set()
+
+    async def finish(self) -> None:
+        """Let the round in flight end and record its results, and start no other: a
+        graceful stop's POSTs are not resent by the next leader. The leadership's end then
+        cancels :meth:`run` (past shutdown_timeout the daemon cancels this wait too)."""
+        self.finishing = True
+        await self.between_rounds.wait()
 
     def backoff(self, attempts_made: int) -> float:
         # The exponent is capped: past 2**1023 an int no longer converts to a float, and
@@ -187,7 +197,8 @@ class WebhookDeliverer:
         return float(min(delay, self.settings.max_backoff))
 
     async def run(self, lease: Lease) -> None:
-        """Deliver until cancelled (the publish loop cancels it when leadership ends).
+        """Deliver until cancelled (the publish loop cancels it when leadership ends, after
+        :meth:`finish` on a graceful stop).
 
         Each round runs inside ``lease.hold()``: its POSTs are work of the publish loop,
         so they happen only while this replica holds the loop's lock. In session mode the
@@ -198,7 +209,8 @@ class WebhookDeliverer:
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout)
         backoff = Backoff(initial=0.5, maximum=IDLE_RECHECK)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            while True:
+            while not self.finishing:
+                self.between_rounds.clear()
                 try:
                     async with lease.hold() as held:
                         wait = await self._deliver_due(session, held)
@@ -213,9 +225,14 @@ class WebhookDeliverer:
                         "webhook.deliverer_error", error=describe(exc),
                         retry_in=round(wait, 3),
                     )  # fmt: skip
-                if wait > 0:
+                finally:
+                    self.between_rounds.set()
+                if wait > 0 and not self.finishing:
                     self.poke.clear()
                     await wait_any([self.poke], wait)
+            # A service that returns while its leadership goes on is taken for a crash:
+            # this one waits for the leadership's end to cancel it.
+            await asyncio.Event().wait()
 
     async def _deliver_due(self, session: aiohttp.ClientSession, held: Lease) -> float:
         """Deliver one round of due rows; return how long to wait before the next."""
