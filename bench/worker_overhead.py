@@ -140,7 +140,7 @@ async def measure(runs: int) -> dict[str, Any]:
         return True
 
     async def in_worker() -> None:
-        await workers.run(noop_job(), gone=never_gone, fresh=fresh, grace=5.0)
+        await workers.run(noop_job(), lock_may_be_free=never_gone, proven_recently=fresh, grace=5.0)
 
     async def in_thread() -> None:
         await run_in_daemon_thread(os.getpid, (), name="task:bench.noop")

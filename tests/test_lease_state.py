@@ -24,9 +24,9 @@ def lease_silent_for(seconds: float) -> LeaseState:
 
 async def test_a_stale_lease_ends_when_asked() -> None:
     lease = lease_silent_for(SETTINGS.lock.step_down_after + 1)
-    assert not lease.fresh()
+    assert not lease.proven_recently()
     assert lease.lost.is_set()
-    assert lease.gone.is_set()
+    assert lease.lock_may_be_free.is_set()
     assert lease.reason is not None
     assert "process stalled" in lease.reason
 
@@ -38,7 +38,7 @@ async def test_a_proof_answered_but_not_yet_taken_in_counts() -> None:
     answered: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
     answered.set_result(True)
     lease.proof = (time.monotonic() - 0.3, answered)
-    assert lease.fresh()
+    assert lease.proven_recently()
     assert not lease.lost.is_set()
 
 
@@ -47,7 +47,7 @@ async def test_an_unanswered_proof_is_left_to_the_heartbeat() -> None:
     judge (workers get their grace), not a freeze (killed at once)."""
     lease = lease_silent_for(SETTINGS.lock.step_down_after + 0.5)
     lease.proof = (time.monotonic() - 0.3, asyncio.get_running_loop().create_future())
-    assert not lease.fresh()
+    assert not lease.proven_recently()
     assert not lease.lost.is_set()
 
 
@@ -63,15 +63,15 @@ class Conn:
 async def test_a_proof_never_queues_behind_work_promised_the_connection() -> None:
     """A lock released to a waiter that has not run yet reads unlocked, and acquiring it
     queues behind that waiter's whole piece of work: the proof must go elsewhere."""
-    conn_lock, gate = asyncio.Lock(), asyncio.Lock()
-    await conn_lock.acquire()
-    waiter = asyncio.ensure_future(conn_lock.acquire())
+    transaction_lock, statement_lock = asyncio.Lock(), asyncio.Lock()
+    await transaction_lock.acquire()
+    waiter = asyncio.ensure_future(transaction_lock.acquire())
     await asyncio.sleep(0)
-    conn_lock.release()  # handed to the waiter, which has not run yet
-    await gate.acquire()  # and the work holding it is mid-statement
+    transaction_lock.release()  # handed to the waiter, which has not run yet
+    await statement_lock.acquire()  # and the work holding it is mid-statement
     conn = Conn()
     async with asyncio.timeout(1):  # awaited in this task: nothing else runs first
-        answer = await ask_between_statements(conn, conn_lock, gate, "lock_held")  # type: ignore[arg-type]
+        answer = await ask_between_statements(conn, transaction_lock, statement_lock, "lock_held")  # type: ignore[arg-type]
     assert answer is None  # ask elsewhere (the pool)
     assert conn.asked == 0
     await waiter
@@ -109,7 +109,7 @@ async def test_a_quiet_lease_proves_at_the_quiet_pace_and_is_not_judged_stale() 
     task = await beating(lease, proofs)
     await asyncio.sleep(2.5)
     assert not lease.lost.is_set(), lease.reason
-    assert not lease.fresh()  # unproven for longer than the bound, yet not lost
+    assert not lease.proven_recently()  # unproven for longer than the bound, yet not lost
     assert not lease.lost.is_set()
     task.cancel()
     # A working lease would have proven 12 times; a quiet one twice (at 1.0 s and 2.0 s).
@@ -155,7 +155,7 @@ async def test_a_quiet_lease_found_not_holding_runs_nothing() -> None:
     with pytest.raises(LeadershipLost):
         await lease.run_tick(work)
     assert not ran
-    assert lease.gone.is_set()
+    assert lease.lock_may_be_free.is_set()
     await asyncio.wait({task}, timeout=1)
     assert task.done()
 
@@ -171,20 +171,22 @@ async def test_work_waiting_for_a_proof_from_a_heartbeat_that_is_gone_ends_the_l
     async with asyncio.timeout(2):
         with pytest.raises(LeadershipLost, match="heartbeat not answering"):
             await lease.run_tick(work)
-    assert not lease.gone.is_set()  # the lock may still be ours: the work gets its grace
+    assert (
+        not lease.lock_may_be_free.is_set()
+    )  # the lock may still be ours: the work gets its grace
 
 
 async def test_work_started_on_a_quiet_stale_lease_outside_a_tick_is_proven_not_lost() -> None:
     """Every start goes through run_tick today; one that does not is not taken for a
-    freeze: the heartbeat proves at once, and fresh() says no until it has."""
+    freeze: the heartbeat proves at once, and proven_recently() says no until it has."""
     lease = LeaseState(1, QUIET, get_logger())
     proofs = Proofs()
     task = await beating(lease, proofs)
     await asyncio.sleep(0.5)  # quiet, and stale by the step-down bound
     work = lease.spawn(asyncio.sleep(1.0), name="work")
-    assert not lease.fresh()
+    assert not lease.proven_recently()
     await asyncio.sleep(0.05)
-    assert lease.fresh(), lease.reason
+    assert lease.proven_recently(), lease.reason
     await work
     task.cancel()
     assert not lease.lost.is_set(), lease.reason

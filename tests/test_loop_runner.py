@@ -58,6 +58,7 @@ class Work:
     def __init__(self, on_tick: Callable[[Tick], None] = lambda tick: None) -> None:
         self.wake: Callable[[], None] = lambda: None
         self.on_tick = on_tick
+        self.started: list[Lease] = []
         self.ended: list[bool] = []
 
     async def tick(self, tick: Tick) -> float | None:
@@ -66,6 +67,9 @@ class Work:
 
     def max_sleep(self) -> float:
         return 0.05
+
+    async def leadership_started(self, lease: Lease) -> None:
+        self.started.append(lease)
 
     async def leadership_ended(self, graceful: bool) -> None:
         self.ended.append(graceful)
@@ -114,7 +118,7 @@ async def test_a_service_stopped_with_its_leadership_is_no_crash() -> None:
     lease = Lease(1, Settings(), get_logger())
     lease.spawn(asyncio.Event().wait(), name="publish:watch", service=True)
     await asyncio.sleep(0)
-    lease.lose("lock connection closed", gone=True)
+    lease.lose("lock connection closed", lock_may_be_free=True)
     await lease.stop_work()
     assert lease.crashed is None
 
@@ -149,6 +153,7 @@ async def test_a_graceful_stop_cancels_services_without_calling_it_a_crash() -> 
 
     work = Work(on_tick)
     await asyncio.wait_for(runner(work, guard, stop).run(), 10)
+    assert work.started == [leases[0]], "the hook told of the leadership, once"
     assert work.ended == [True]
     assert leases[0].crashed is None
     assert not leases[0].lost.is_set()

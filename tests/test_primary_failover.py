@@ -65,7 +65,7 @@ from rig.waiting import wait_until
 
 from scheduler_daemon.config import Settings
 from scheduler_daemon.leadership.base import settle_time
-from scheduler_daemon.leadership.postgres_session import settle
+from scheduler_daemon.leadership.postgres_session import wait_for_predecessor
 
 pytestmark = [pytest.mark.postgres, pytest.mark.processes]
 
@@ -912,13 +912,13 @@ async def test_a_predecessor_waiting_for_the_lock_again_is_no_eviction(pg_url: s
     ]
     try:
         await ours.execute("SELECT pg_advisory_lock($1)", key)
-        stopping = await settle(ours, predecessor, key, settings)
+        stopping = await wait_for_predecessor(ours, predecessor, key, settings)
         assert stopping["predecessor_alive"]
         assert not stopping["predecessor_standing_by"]  # so it waited the whole bound
 
         waiting = asyncio.ensure_future(its_lock.execute("SELECT pg_advisory_lock($1)", key))
         await _until_waiting(ours, key)
-        standing_by = await settle(ours, predecessor, key, settings)
+        standing_by = await wait_for_predecessor(ours, predecessor, key, settings)
         assert standing_by["predecessor_alive"]
         assert standing_by["predecessor_standing_by"]  # not an eviction
         assert standing_by["settled_in"] >= settle_time(settings) - 0.05  # yet waited
@@ -932,7 +932,9 @@ async def test_a_predecessor_waiting_for_the_lock_again_is_no_eviction(pg_url: s
         try:
             queued = asyncio.ensure_future(sibling.execute("SELECT pg_advisory_lock($1)", key))
             await _until_waiting(ours, key, count=2)
-            cut = await settle(ours, {**predecessor, "instance": long_id}, key, settings)
+            cut = await wait_for_predecessor(
+                ours, {**predecessor, "instance": long_id}, key, settings
+            )
             assert cut["predecessor_alive"]
             assert not cut["predecessor_standing_by"]
         finally:
@@ -947,7 +949,7 @@ async def test_a_predecessor_waiting_for_the_lock_again_is_no_eviction(pg_url: s
         )
         await asyncio.wait({waiting})
         assert waiting.exception() is not None  # the wait died with its session
-        gone = await settle(ours, predecessor, key, settings)
+        gone = await wait_for_predecessor(ours, predecessor, key, settings)
         assert not gone["predecessor_alive"]
         assert not gone["predecessor_standing_by"]
     finally:

@@ -303,11 +303,11 @@ def batch_of(*ids: int) -> list[Published]:
 class FreshLease:
     """A lease whose last proof is as fresh as ``fresh`` says."""
 
-    def __init__(self, fresh: bool = True) -> None:
-        self.is_fresh = fresh
-        self.reason = None if fresh else "heartbeat 9.0s late (process stalled)"
+    def __init__(self, proven_recently: bool = True) -> None:
+        self.is_fresh = proven_recently
+        self.reason = None if proven_recently else "heartbeat 9.0s late (process stalled)"
 
-    def fresh(self) -> bool:
+    def proven_recently(self) -> bool:
         return self.is_fresh
 
 
@@ -357,7 +357,7 @@ async def test_a_publisher_is_not_called_once_the_last_proof_is_stale() -> None:
     publisher = FakePublisher({})
     work, tx = work_with(publisher), FakeTx()
     with pytest.raises(LeadershipLost, match="stalled"):
-        await work._run_publishers(tx, batch_of(1, 2), tick(FreshLease(fresh=False)))  # type: ignore[arg-type]
+        await work._run_publishers(tx, batch_of(1, 2), tick(FreshLease(proven_recently=False)))  # type: ignore[arg-type]
     assert publisher.calls == []
     assert tx.failed == {}
 

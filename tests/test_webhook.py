@@ -182,17 +182,17 @@ class Held:
 
     fencing_token: int
     reason: str | None = None
-    is_fresh: bool = True
+    proven: bool = True
 
-    def fresh(self) -> bool:
-        return self.is_fresh
+    def proven_recently(self) -> bool:
+        return self.proven
 
 
 async def test_no_post_leaves_once_the_last_proof_is_stale(endpoint: dict[str, Any]) -> None:
     """A leader resumed after a freeze: its POST tasks may run before the heartbeat that
     would notice. The age of the last proof stops the request before it is sent."""
     url = f"{endpoint['base']}/redirect/307?to=none"
-    stale = Held(fencing_token=7, reason="heartbeat 9.0s late (process stalled)", is_fresh=False)
+    stale = Held(fencing_token=7, reason="heartbeat 9.0s late (process stalled)", proven=False)
     async with aiohttp.ClientSession() as session:
         with pytest.raises(LeadershipLost, match="stalled"):
             await deliverer(url)._post(session, outbox_row(), stale)  # type: ignore[arg-type]

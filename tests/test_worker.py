@@ -183,7 +183,9 @@ def always() -> bool:
 
 async def run(workers: Workers, job: WorkerJob, grace: float = 5.0) -> None:
     async with asyncio.timeout(BOUND):
-        await workers.run(job, gone=asyncio.Event(), fresh=always, grace=grace)
+        await workers.run(
+            job, lock_may_be_free=asyncio.Event(), proven_recently=always, grace=grace
+        )
 
 
 async def wait_for(path: Path, key: str = "pid", within: float = BOUND) -> dict[str, Any]:
@@ -380,12 +382,17 @@ async def test_cancelled_when_gone_the_worker_is_killed_at_once(
     workers: Workers, tmp_path: Path
 ) -> None:
     out = tmp_path / "out.json"
-    gone = asyncio.Event()
+    lock_may_be_free = asyncio.Event()
     task = asyncio.create_task(
-        workers.run(make_job(ignores_sigterm, out), gone=gone, fresh=always, grace=60)
+        workers.run(
+            make_job(ignores_sigterm, out),
+            lock_may_be_free=lock_may_be_free,
+            proven_recently=always,
+            grace=60,
+        )
     )
     pid = (await wait_for(out))["pid"]
-    gone.set()
+    lock_may_be_free.set()
     elapsed = await cancel(task)
     print(f"\ngone + cancel -> worker dead and reaped in {elapsed * 1000:.1f} ms")
     assert dead(pid)  # "done" means dead
@@ -398,7 +405,12 @@ async def test_cancelled_the_target_sees_ctx_cancelled_and_returns(
 ) -> None:
     out = tmp_path / "out.json"
     task = asyncio.create_task(
-        workers.run(make_job(waits_for_cancel, out), gone=asyncio.Event(), fresh=always, grace=60)
+        workers.run(
+            make_job(waits_for_cancel, out),
+            lock_may_be_free=asyncio.Event(),
+            proven_recently=always,
+            grace=60,
+        )
     )
     pid = (await wait_for(out))["pid"]
     elapsed = await cancel(task)
@@ -413,7 +425,12 @@ async def test_cancelled_a_target_ignoring_it_is_killed_at_the_grace(
 ) -> None:
     out = tmp_path / "out.json"
     task = asyncio.create_task(
-        workers.run(make_job(sleeps, out), gone=asyncio.Event(), fresh=always, grace=1.0)
+        workers.run(
+            make_job(sleeps, out),
+            lock_may_be_free=asyncio.Event(),
+            proven_recently=always,
+            grace=1.0,
+        )
     )
     pid = (await wait_for(out))["pid"]
     started = time.monotonic()
@@ -431,16 +448,21 @@ async def test_cancelled_a_target_ignoring_it_is_killed_at_the_grace(
 
 async def test_gone_during_the_grace_kills_at_once(workers: Workers, tmp_path: Path) -> None:
     out = tmp_path / "out.json"
-    gone = asyncio.Event()
+    lock_may_be_free = asyncio.Event()
     task = asyncio.create_task(
-        workers.run(make_job(ignores_sigterm, out), gone=gone, fresh=always, grace=120)
+        workers.run(
+            make_job(ignores_sigterm, out),
+            lock_may_be_free=lock_may_be_free,
+            proven_recently=always,
+            grace=120,
+        )
     )
     pid = (await wait_for(out))["pid"]
     task.cancel()
     await asyncio.sleep(0.3)
     assert not task.done()  # waiting out the grace
     started = time.monotonic()
-    gone.set()
+    lock_may_be_free.set()
     with pytest.raises(asyncio.CancelledError):
         async with asyncio.timeout(BOUND):
             await task
@@ -455,21 +477,29 @@ async def test_a_timeout_around_run_is_a_timeout(workers: Workers, tmp_path: Pat
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(1.0):
             await workers.run(
-                make_job(waits_for_cancel, out), gone=asyncio.Event(), fresh=always, grace=30
+                make_job(waits_for_cancel, out),
+                lock_may_be_free=asyncio.Event(),
+                proven_recently=always,
+                grace=30,
             )
     assert json.loads(out.read_text())["saw_cancelled"] is True
 
 
 async def test_a_grandchild_dies_with_the_worker(workers: Workers, tmp_path: Path) -> None:
     out = tmp_path / "out.json"
-    gone = asyncio.Event()
+    lock_may_be_free = asyncio.Event()
     task = asyncio.create_task(
-        workers.run(make_job(spawns_grandchild, out), gone=gone, fresh=always, grace=60)
+        workers.run(
+            make_job(spawns_grandchild, out),
+            lock_may_be_free=lock_may_be_free,
+            proven_recently=always,
+            grace=60,
+        )
     )
     seen = await wait_for(out, "grandchild")
     try:
         assert not dead(seen["grandchild"])
-        gone.set()
+        lock_may_be_free.set()
         await cancel(task)
         assert dead(seen["pid"])
         # Reparented to init when the worker died, then reaped: poll.
@@ -493,7 +523,12 @@ async def test_a_grandchild_left_behind_by_a_returning_target_is_killed(
 async def test_close_kills_what_still_runs(workers: Workers, tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     task = asyncio.create_task(
-        workers.run(make_job(ignores_sigterm, out), gone=asyncio.Event(), fresh=always, grace=60)
+        workers.run(
+            make_job(ignores_sigterm, out),
+            lock_may_be_free=asyncio.Event(),
+            proven_recently=always,
+            grace=60,
+        )
     )
     pid = (await wait_for(out))["pid"]
     async with asyncio.timeout(BOUND):
@@ -511,7 +546,12 @@ async def test_a_worker_whose_forkserver_dies_is_killed_and_reported(
     # be taken for dead meanwhile: it is killed, and waited for.
     out = tmp_path / "out.json"
     task = asyncio.create_task(
-        workers.run(make_job(ignores_sigterm, out), gone=asyncio.Event(), fresh=always, grace=60)
+        workers.run(
+            make_job(ignores_sigterm, out),
+            lock_may_be_free=asyncio.Event(),
+            proven_recently=always,
+            grace=60,
+        )
     )
     pid = (await wait_for(out))["pid"]
     server = multiprocessing.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
@@ -556,7 +596,7 @@ async def main() -> None:
             "tick": 1, "instance": "parent-script", "out": out,
         },
     )
-    await workers.run(job, gone=asyncio.Event(), fresh=lambda: True, grace=5)
+    await workers.run(job, lock_may_be_free=asyncio.Event(), proven_recently=lambda: True, grace=5)
     await workers.close()
 
 
@@ -642,7 +682,7 @@ def test_a_frozen_daemon_freezes_its_worker(tmp_path: Path) -> None:
         print(f"\ndaemon SIGSTOPped -> worker stopped in {elapsed * 1000:.0f} ms")
         assert elapsed < 3.0  # ~0.5 s is the promise
 
-        # Resumed, the daemon resumes its worker (its lease is fresh: fresh() is True).
+        # Resumed, the daemon resumes its worker (its lease is fresh: proven_recently() is True).
         parent.process.send_signal(signal.SIGCONT)
         elapsed = poll(lambda: state(pid) not in ("T", None))
         print(f"daemon SIGCONTed -> worker running again in {elapsed * 1000:.0f} ms")
@@ -662,9 +702,14 @@ async def test_the_lifeline_write_end_is_held_by_the_daemon_alone(
     workers: Workers, tmp_path: Path
 ) -> None:
     out = tmp_path / "out.json"
-    gone = asyncio.Event()
+    lock_may_be_free = asyncio.Event()
     task = asyncio.create_task(
-        workers.run(make_job(sleeps, out), gone=gone, fresh=always, grace=60)
+        workers.run(
+            make_job(sleeps, out),
+            lock_may_be_free=lock_may_be_free,
+            proven_recently=always,
+            grace=60,
+        )
     )
     try:
         pid = (await wait_for(out))["pid"]
@@ -674,7 +719,7 @@ async def test_the_lifeline_write_end_is_held_by_the_daemon_alone(
         forkserver = multiprocessing.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
         assert forkserver not in {holder for holder, _ in holders}
     finally:
-        gone.set()
+        lock_may_be_free.set()
         await cancel(task)
 
 
@@ -745,7 +790,12 @@ async def test_no_fd_or_process_is_left_behind(workers: Workers, tmp_path: Path)
         elif index % 10 == 3:
             out = tmp_path / f"{index}.json"
             task = asyncio.create_task(
-                workers.run(make_job(sleeps, out), gone=asyncio.Event(), fresh=always, grace=0.1)
+                workers.run(
+                    make_job(sleeps, out),
+                    lock_may_be_free=asyncio.Event(),
+                    proven_recently=always,
+                    grace=0.1,
+                )
             )
             await wait_for(out)
             await cancel(task)

@@ -36,7 +36,7 @@ from .privileges import refuse_missing_grants, refuse_unusable_schema
 from .sqlfiles import Migration, migrations, positional, queries
 from .url import DatabaseUrl
 
-Q = queries("postgres")
+QUERIES = queries("postgres")
 
 # Serialises `migrate` across replicas. A transaction-level lock on a dedicated
 # connection: a replica that starts at the same moment waits, then finds nothing to do.
@@ -84,7 +84,7 @@ async def _pending(conn: asyncpg.Connection, url: DatabaseUrl) -> list[Migration
         await refuse_unusable_schema(conn, f"database {url}")
         return list(migrations("postgres"))
     try:
-        done = {row["version"] for row in await conn.fetch(Q["applied_versions"])}
+        done = {row["version"] for row in await conn.fetch(QUERIES["applied_versions"])}
     except asyncpg.InsufficientPrivilegeError:
         # Named as the GRANT that fixes it, as every grant the loops need is.
         version_table = {("table", "scheduler_schema_version"): {"SELECT"}}
@@ -154,43 +154,47 @@ FENCED_ISOLATION = "read_committed"
 
 
 @asynccontextmanager
-async def gated_transaction(
-    conn: asyncpg.Connection, gate: asyncio.Lock | None, isolation: str | None = None
+async def statement_locked_transaction(
+    conn: asyncpg.Connection, statement_lock: asyncio.Lock | None, isolation: str | None = None
 ) -> AsyncIterator[None]:
     """``conn.transaction()`` (a transaction, or a savepoint inside one) whose statements
-    (BEGIN or SAVEPOINT, and how it ends) each take ``gate`` first. ``isolation``: for the
+    (BEGIN or SAVEPOINT, and how it ends) each take ``statement_lock`` first. ``isolation``: for the
     outermost one only (a savepoint has the transaction's)."""
-    # asyncpg's own context manager, its enter and its exit each taken under the gate.
+    # asyncpg's own context manager, its enter and its exit each taken under the statement lock.
     transaction = conn.transaction(isolation=isolation)
-    async with _held(gate):
+    async with _held(statement_lock):
         await transaction.__aenter__()
     try:
         yield
     except BaseException as exc:
-        async with _held(gate):
+        async with _held(statement_lock):
             await transaction.__aexit__(type(exc), exc, exc.__traceback__)
         raise
-    async with _held(gate):
+    async with _held(statement_lock):
         await transaction.__aexit__(None, None, None)
 
 
 async def ask_between_statements(
-    conn: asyncpg.Connection, conn_lock: asyncio.Lock, gate: asyncio.Lock, query: str, *args: Any
+    conn: asyncpg.Connection,
+    transaction_lock: asyncio.Lock,
+    statement_lock: asyncio.Lock,
+    query: str,
+    *args: Any,
 ) -> Any:
     """``query``'s value, asked on ``conn`` if nobody is talking on it: no transaction
-    holds it (``conn_lock``), or one does but is between two statements (``gate``: it
+    holds it (``transaction_lock``), or one does but is between two statements (``statement_lock``: it
     awaits something else, a publisher's API call, a task's sleep). ``None`` while a
     statement runs, or when the transaction it would run in has failed: then the
     connection is busy or answered, so not idle, and the caller asks elsewhere.
 
     For a lock held by a connection that work may leave waiting: talking on it whenever
     it is quiet keeps the server's idle timeouts for the frozen replica they exist for."""
-    if _free(conn_lock):
-        async with conn_lock:  # taken at once: nothing ran since it was seen free
+    if _free(transaction_lock):
+        async with transaction_lock:  # taken at once: nothing ran since it was seen free
             return await conn.fetchval(query, *args)
-    if not _free(gate):
+    if not _free(statement_lock):
         return None
-    async with gate:
+    async with statement_lock:
         try:
             return await conn.fetchval(query, *args)
         except asyncpg.InFailedSQLTransactionError:
@@ -205,12 +209,12 @@ def _free(lock: asyncio.Lock) -> bool:
     return not lock.locked() and all(waiter.cancelled() for waiter in waiters)
 
 
-def _held(gate: asyncio.Lock | None) -> contextlib.AbstractAsyncContextManager[Any]:
-    return gate if gate is not None else contextlib.nullcontext()
+def _held(statement_lock: asyncio.Lock | None) -> contextlib.AbstractAsyncContextManager[Any]:
+    return statement_lock if statement_lock is not None else contextlib.nullcontext()
 
 
 class PgTx:
-    """A transaction's statements. ``gate``: taken around each statement, so that a
+    """A transaction's statements. ``statement_lock``: taken around each statement, so that a
     heartbeat can talk on the same connection between them (session mode's lock
     connection: see the session guard's heartbeat)."""
 
@@ -218,16 +222,16 @@ class PgTx:
         self,
         conn: asyncpg.Connection,
         fencing_token: int | None = None,
-        gate: asyncio.Lock | None = None,
+        statement_lock: asyncio.Lock | None = None,
         shards: ShardScope | None = None,
     ) -> None:
         self.conn = conn
         self.fencing_token = fencing_token
-        self.gate = gate
+        self.statement_lock = statement_lock
         self.shards = shards
 
     async def execute(self, sql: str, statement_timeout: float | None = None) -> None:
-        async with _held(self.gate):
+        async with _held(self.statement_lock):
             await self._execute(sql, statement_timeout)
 
     async def _execute(self, sql: str, statement_timeout: float | None) -> None:
@@ -243,26 +247,26 @@ class PgTx:
         await self.conn.execute("SELECT set_config('statement_timeout', $1, true)", previous)
 
     async def fetch(self, query: str, *args: Any) -> list[dict[str, Any]]:
-        async with _held(self.gate):
-            return [dict(row) for row in await self.conn.fetch(Q[query], *args)]
+        async with _held(self.statement_lock):
+            return [dict(row) for row in await self.conn.fetch(QUERIES[query], *args)]
 
     async def query(self, query: str, **params: Any) -> list[dict[str, Any]]:
         text, names = positional("postgres", query)
         args = [params[name] for name in names]
-        async with _held(self.gate):
+        async with _held(self.statement_lock):
             return [dict(row) for row in await self.conn.fetch(text, *args)]
 
     async def run(self, sql: str, *args: Any) -> None:
-        async with _held(self.gate):
+        async with _held(self.statement_lock):
             await self.conn.execute(sql, *args)
 
     async def run_many(self, sql: str, args: Sequence[Sequence[Any]]) -> None:
-        async with _held(self.gate):
+        async with _held(self.statement_lock):
             await self.conn.executemany(sql, args)
 
     @asynccontextmanager
     async def savepoint(self) -> AsyncIterator[None]:
-        async with gated_transaction(self.conn, self.gate):
+        async with statement_locked_transaction(self.conn, self.statement_lock):
             yield
 
 
@@ -358,8 +362,8 @@ class PostgresStore:
                 return applied
             async with conn.transaction():
                 await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK_KEY)
-                await conn.execute(Q["create_version_table"])
-                done = {row["version"] for row in await conn.fetch(Q["applied_versions"])}
+                await conn.execute(QUERIES["create_version_table"])
+                done = {row["version"] for row in await conn.fetch(QUERIES["applied_versions"])}
                 todo = [m for m in migrations("postgres") if m.version not in done]
                 if todo:  # (none: another replica applied them while we waited)
                     # Migrators queue on the advisory lock, so only this one upgrades its
@@ -369,7 +373,7 @@ class PostgresStore:
                     await conn.execute(LOCK_VERSION_TABLE)
                 for migration in todo:
                     await conn.execute(migration.sql)
-                    await conn.execute(Q["record_version"], migration.version, migration.name)
+                    await conn.execute(QUERIES["record_version"], migration.version, migration.name)
                     applied.append(AppliedMigration(migration.version, migration.name))
                 if applied:
                     await conn.execute(WAKE_LEADERS)
@@ -383,7 +387,7 @@ class PostgresStore:
 
     async def schema_version(self) -> int | None:
         try:
-            version: int | None = await self.pool.fetchval(Q["schema_version"])
+            version: int | None = await self.pool.fetchval(QUERIES["schema_version"])
         except asyncpg.UndefinedTableError:  # never migrated
             return None
         return version
@@ -392,40 +396,40 @@ class PostgresStore:
         self, publish_at: datetime, payload_json: str, key: str | None
     ) -> ScheduleResult:
         async with self.pool.acquire() as conn:
-            row = await conn.fetchrow(Q["schedule"], key, payload_json, publish_at)
+            row = await conn.fetchrow(QUERIES["schedule"], key, payload_json, publish_at)
             if row is not None:
                 return ScheduleResult(_publication(row), created=True)
             # The key exists. The insert and this read are separate snapshots, but a row
             # with a key is never deleted while scheduled, so it is still there.
-            existing = await conn.fetchrow(Q["get_by_key"], key)
+            existing = await conn.fetchrow(QUERIES["get_by_key"], key)
         if existing is None:  # purged between the two statements: try once more
             return await self.schedule(publish_at, payload_json, key)
         return ScheduleResult(_publication(existing), created=False)
 
     async def cancel(self, publication_id: int) -> Publication:
-        row = await self.pool.fetchrow(Q["cancel"], publication_id)
+        row = await self.pool.fetchrow(QUERIES["cancel"], publication_id)
         if row is not None:
             return _publication(row)
         raise explain_cancel_refusal(publication_id, await self.get(publication_id))
 
     async def get(self, publication_id: int) -> Publication | None:
-        row = await self.pool.fetchrow(Q["get"], publication_id)
+        row = await self.pool.fetchrow(QUERIES["get"], publication_id)
         return None if row is None else _publication(row)
 
     async def get_by_key(self, key: str) -> Publication | None:
-        row = await self.pool.fetchrow(Q["get_by_key"], key)
+        row = await self.pool.fetchrow(QUERIES["get_by_key"], key)
         return None if row is None else _publication(row)
 
     async def find_publications(self, where: PublicationFilter) -> list[Publication]:
         rows = await self.pool.fetch(
-            Q["publications_find"],
+            QUERIES["publications_find"],
             None if where.statuses is None else list(where.statuses),
             where.due_after, where.due_before, where.key, where.key_prefix, where.limit,
         )  # fmt: skip
         return [_publication(row) for row in rows]
 
     async def publication_stats(self) -> PublicationStats:
-        row = await self.pool.fetchrow(Q["publication_stats"])
+        row = await self.pool.fetchrow(QUERIES["publication_stats"])
         return PublicationStats(row["scheduled"], row["due"], row["next_due"])
 
     @asynccontextmanager

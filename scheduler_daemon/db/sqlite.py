@@ -41,7 +41,7 @@ from .sqlfiles import migrations, queries
 from .sqlite_file import check_database_file, real_path
 from .url import DatabaseUrl
 
-Q = queries("sqlite")
+QUERIES = queries("sqlite")
 _UNIX_EPOCH_JD = 2440587.5
 
 
@@ -123,7 +123,7 @@ def split_script(script: str) -> list[str]:
 @functools.cache
 def _statements(query: str) -> tuple[str, ...]:
     """A named query's statements (more than one where SQLite needs a script)."""
-    return tuple(split_script(Q[query]))
+    return tuple(split_script(QUERIES[query]))
 
 
 def _publication(row: sqlite3.Row) -> Publication:
@@ -168,7 +168,7 @@ class SqliteTx:
 
     async def fetch(self, query: str, *args: Any) -> list[dict[str, Any]]:
         params = tuple(to_db_value(arg) for arg in args)
-        async with self.conn.execute(Q[query], params) as cursor:
+        async with self.conn.execute(QUERIES[query], params) as cursor:
             return [from_db_row(row) for row in await cursor.fetchall()]
 
     async def query(self, query: str, **params: Any) -> list[dict[str, Any]]:
@@ -304,15 +304,15 @@ class SqliteStore:
     async def migrate(self) -> list[AppliedMigration]:
         applied: list[AppliedMigration] = []
         async with self.write_transaction() as conn:
-            await conn.execute(Q["create_version_table"])
-            async with conn.execute(Q["applied_versions"]) as cursor:
+            await conn.execute(QUERIES["create_version_table"])
+            async with conn.execute(QUERIES["applied_versions"]) as cursor:
                 done = {row[0] for row in await cursor.fetchall()}
             for migration in migrations("sqlite"):
                 if migration.version in done:
                     continue
                 for statement in split_script(migration.sql):
                     await conn.execute(statement)
-                await conn.execute(Q["record_version"], (migration.version, migration.name))
+                await conn.execute(QUERIES["record_version"], (migration.version, migration.name))
                 applied.append(AppliedMigration(migration.version, migration.name))
         return applied
 
@@ -347,7 +347,7 @@ class SqliteStore:
     async def next_due_in(self) -> float | None:
         """Seconds until the earliest scheduled publication (negative: due), by the
         database's clock; None if nothing is scheduled."""
-        row = await self._fetchone(Q["next_due_in"])
+        row = await self._fetchone(QUERIES["next_due_in"])
         return None if row is None or row["seconds"] is None else float(row["seconds"])
 
     async def schema_version(self) -> int | None:
@@ -357,7 +357,7 @@ class SqliteStore:
         )
         if exists is None:
             return None
-        row = await self._fetchone(Q["schema_version"])
+        row = await self._fetchone(QUERIES["schema_version"])
         return None if row is None else row[0]
 
     async def schedule(
@@ -365,11 +365,11 @@ class SqliteStore:
     ) -> ScheduleResult:
         async with self.write_transaction() as conn:
             params = (key, payload_json, to_db_time(publish_at))
-            async with conn.execute(Q["schedule"], params) as cursor:
+            async with conn.execute(QUERIES["schedule"], params) as cursor:
                 row = await cursor.fetchone()
             if row is not None:
                 return ScheduleResult(_publication(row), created=True)
-            async with conn.execute(Q["get_by_key"], (key,)) as cursor:
+            async with conn.execute(QUERIES["get_by_key"], (key,)) as cursor:
                 existing = await cursor.fetchone()
         assert existing is not None  # same transaction as the conflicting insert
         return ScheduleResult(_publication(existing), created=False)
@@ -377,7 +377,7 @@ class SqliteStore:
     async def cancel(self, publication_id: int) -> Publication:
         async with (
             self.write_transaction() as conn,
-            conn.execute(Q["cancel"], (publication_id,)) as cur,
+            conn.execute(QUERIES["cancel"], (publication_id,)) as cur,
         ):
             row = await cur.fetchone()
         if row is not None:
@@ -385,11 +385,11 @@ class SqliteStore:
         raise explain_cancel_refusal(publication_id, await self.get(publication_id))
 
     async def get(self, publication_id: int) -> Publication | None:
-        row = await self._fetchone(Q["get"], (publication_id,))
+        row = await self._fetchone(QUERIES["get"], (publication_id,))
         return None if row is None else _publication(row)
 
     async def get_by_key(self, key: str) -> Publication | None:
-        row = await self._fetchone(Q["get_by_key"], (key,))
+        row = await self._fetchone(QUERIES["get_by_key"], (key,))
         return None if row is None else _publication(row)
 
     async def find_publications(self, where: PublicationFilter) -> list[Publication]:
@@ -402,12 +402,12 @@ class SqliteStore:
                 where.key_prefix, where.limit,
             )
         )  # fmt: skip
-        async with self._lock, self.conn.execute(Q["publications_find"], params) as cursor:
+        async with self._lock, self.conn.execute(QUERIES["publications_find"], params) as cursor:
             rows = await cursor.fetchall()
         return [_publication(row) for row in rows]
 
     async def publication_stats(self) -> PublicationStats:
-        row = await self._fetchone(Q["publication_stats"])
+        row = await self._fetchone(QUERIES["publication_stats"])
         assert row is not None
         return PublicationStats(row["scheduled"], row["due"], from_julian_day(row["next_due_jd"]))
 

@@ -77,7 +77,7 @@ class Lease(Protocol):
         ...
 
     @property
-    def gone(self) -> asyncio.Event:
+    def lock_may_be_free(self) -> asyncio.Event:
         """Set when the lock may already be free — another replica may be running — so
         work is stopped at once (worker processes SIGKILLed), without any grace."""
         ...
@@ -92,7 +92,7 @@ class Lease(Protocol):
         """The loop's fencing token for this leadership (grows with every change of leader)."""
         ...
 
-    def fresh(self) -> bool:
+    def proven_recently(self) -> bool:
         """Whether the lock was proven held recently enough that this process cannot have
         been evicted meanwhile (False after a freeze longer than the step-down bound).
 
@@ -244,7 +244,7 @@ class LeaseState:
         on_lost: Callable[[str, bool], None] | None = None,
     ) -> None:
         self.lost = asyncio.Event()
-        self.gone = asyncio.Event()
+        self.lock_may_be_free = asyncio.Event()
         self.reason: str | None = None
         self.fencing_token = fencing_token
         self.settings = settings
@@ -264,12 +264,12 @@ class LeaseState:
         # Set (and replaced) after every proof the heartbeat took in.
         self.proved = asyncio.Event()
 
-    def lose(self, reason: str, *, gone: bool) -> bool:
-        """Mark leadership lost and cancel its work. ``gone``: the lock may be free already
+    def lose(self, reason: str, *, lock_may_be_free: bool) -> bool:
+        """Mark leadership lost and cancel its work. ``lock_may_be_free``: the lock may be free already
         (it can be set by a later call, which then hurries the stopping along). True the
         first time."""
-        if gone:
-            self.gone.set()
+        if lock_may_be_free:
+            self.lock_may_be_free.set()
         if self.lost.is_set():
             return False
         self.reason = reason
@@ -277,10 +277,10 @@ class LeaseState:
         for task in self._work:
             task.cancel()
         if self._on_lost is not None:
-            self._on_lost(reason, gone)
+            self._on_lost(reason, lock_may_be_free)
         return True
 
-    def fresh(self) -> bool:
+    def proven_recently(self) -> bool:
         if self.lost.is_set():
             return False
         bound = self.settings.lock.step_down_after
@@ -305,7 +305,7 @@ class LeaseState:
             return False
         # The heartbeat would conclude the same when its own timer runs; whoever asks
         # first concludes it, so that nothing else of the lease runs on meanwhile.
-        self.lose(stalled(now - self.last_proven), gone=True)
+        self.lose(stalled(now - self.last_proven), lock_may_be_free=True)
         return False
 
     @property
@@ -332,7 +332,7 @@ class LeaseState:
             self.replan.set()
             if not await wait_any([self.proved, self.lost], self.settings.lock.step_down_after):
                 # A proof is given less than that to answer: the heartbeat is gone.
-                self.lose("heartbeat not answering", gone=False)
+                self.lose("heartbeat not answering", lock_may_be_free=False)
 
     def spawn(
         self, work: Coroutine[Any, Any, T], name: str, *, service: bool = False
@@ -358,13 +358,13 @@ class LeaseState:
         self.log.error(
             "leader.service_died", task=task.get_name(), error=describe(error), exc_info=error
         )
-        self.lose(f"{task.get_name()} died: {describe(error)}", gone=False)
+        self.lose(f"{task.get_name()} died: {describe(error)}", lock_may_be_free=False)
 
     def adopt(self, task: asyncio.Task[Any]) -> None:
         """Count ``task`` as work of this lease (cancelled with it, waited for by it)."""
         if self.quiet_interval is not None and not self.working:
             # The heartbeat's pace is a working lease's from now on. Work normally starts
-            # on a fresh proof (run_tick); if not, it gets one now, and meanwhile fresh()
+            # on a fresh proof (run_tick); if not, it gets one now, and meanwhile proven_recently()
             # says no without concluding a freeze from the quiet time.
             if time.monotonic() - self.last_proven > self.settings.lock.heartbeat_interval:
                 self.proof_wanted = True
@@ -460,9 +460,9 @@ async def heartbeat(
 
     ``prove()`` answers whether the database still sees us holding the lock. A proof that
     does not answer within one interval counts as failed: that is how a silently cut
-    network shows (the lock may still be ours, so ``gone`` is False and the work gets its
+    network shows (the lock may still be ours, so ``lock_may_be_free`` is False and the work gets its
     grace). A heartbeat that itself comes late means the process was frozen, long enough
-    for a standby to have evicted us (``gone``).
+    for a standby to have evicted us (``lock_may_be_free``).
 
     ``quiet``: while no work of the lease runs, prove only every
     ``lock.quiet_proof_interval``. The step-down bound is there to stop a cut-off
@@ -494,7 +494,7 @@ async def heartbeat(
         if wait > 0:
             await wait_any([lease.replan], wait)  # set only for a quiet lease
             continue
-        if judged and not lease.fresh():  # a freeze: fresh() ended the lease
+        if judged and not lease.proven_recently():  # a freeze: proven_recently() ended the lease
             return
         # Not `asyncio.timeout` around the queries: on a silently dead socket asyncpg's
         # pool cannot finish cancelling a query (releasing the connection waits for the
@@ -518,14 +518,16 @@ async def heartbeat(
                 proof.add_done_callback(discard_outcome)
         if not proof.done():
             on_failure()
-            lease.lose(f"heartbeat failed: no answer within {answer_within:.1f}s", gone=False)
+            lease.lose(
+                f"heartbeat failed: no answer within {answer_within:.1f}s", lock_may_be_free=False
+            )
             return
         if (exc := proof.exception()) is not None:
             on_failure()
-            lease.lose(f"heartbeat failed: {describe(exc)}", gone=False)
+            lease.lose(f"heartbeat failed: {describe(exc)}", lock_may_be_free=False)
             return
         if not proof.result():
-            lease.lose("lock no longer held (evicted or session ended)", gone=True)
+            lease.lose("lock no longer held (evicted or session ended)", lock_may_be_free=True)
             return
         # As of when it was asked: an answer that arrives after a freeze proves nothing
         # about the freeze.

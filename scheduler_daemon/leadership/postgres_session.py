@@ -54,7 +54,7 @@ from ..db.postgres import (
     PostgresStore,
     ask_between_statements,
     detect_dead_peer,
-    gated_transaction,
+    statement_locked_transaction,
 )
 from ..db.sqlfiles import queries
 from ..errors import describe
@@ -62,7 +62,7 @@ from ..logs import Logger
 from ..schema_gate import SchemaGate
 from .base import GuardBase, LeadershipLost, LeaseState, Stopping, heartbeat, settle_time
 
-Q = queries("postgres")
+QUERIES = queries("postgres")
 
 
 def session_keepalive_settings(settings: Settings) -> dict[str, str]:
@@ -74,7 +74,7 @@ def session_keepalive_settings(settings: Settings) -> dict[str, str]:
     return {name: str(value) for name, value in settings.lock.server_tcp_settings().items()}
 
 
-async def settle(
+async def wait_for_predecessor(
     conn: asyncpg.Connection | asyncpg.Pool, predecessor: Any, key: int, settings: Settings
 ) -> dict[str, Any]:
     """Before a new leader does any work, make sure the previous one has stopped its own.
@@ -104,7 +104,7 @@ async def settle(
     alive, standing_by = True, False
     while time.monotonic() < deadline:
         sessions = await conn.fetchrow(
-            Q["instance_sessions"], prefix, key, timeout=settings.lock.stop_grace
+            QUERIES["instance_sessions"], prefix, key, timeout=settings.lock.stop_grace
         )
         if not sessions["n"]:
             alive = False
@@ -143,10 +143,10 @@ class SessionLease(LeaseState):
         self.backend_pid = backend_pid
         self.since = since
         # One user of the connection at a time: a tick's (or run's) transaction, or a
-        # heartbeat. Within a transaction, one statement at a time (the gate): between two
+        # heartbeat. Within a transaction, one statement at a time (the statement lock): between two
         # of them a heartbeat may talk on the connection too.
-        self.conn_lock = asyncio.Lock()
-        self.gate = asyncio.Lock()
+        self.transaction_lock = asyncio.Lock()
+        self.statement_lock = asyncio.Lock()
 
     @asynccontextmanager
     async def transaction(self, *, only_ours: bool = False) -> AsyncIterator[PgTx]:
@@ -167,7 +167,7 @@ class SessionLease(LeaseState):
         the session lock, so neither the savepoint nor the restore is needed: three round
         trips of a tick's eight. The transaction-level hold still keeps the lock ours until
         the commit, which still fails if the session is gone."""
-        async with self.conn_lock:
+        async with self.transaction_lock:
             self._closed_already()
             if self.lost.is_set():
                 raise LeadershipLost(self.reason or "lost")
@@ -183,27 +183,27 @@ class SessionLease(LeaseState):
         once, not when asyncpg's close callback runs (a connection that the server ended
         can read closed for a while before it does, and a tick meanwhile fails on it)."""
         if not self.lost.is_set() and self.conn.is_closed():
-            self.lose("lock connection closed", gone=True)
+            self.lose("lock connection closed", lock_may_be_free=True)
 
     @asynccontextmanager
     async def _fenced(self, only_ours: bool) -> AsyncIterator[PgTx]:
         """The fenced transaction itself (see :meth:`transaction`)."""
-        async with gated_transaction(self.conn, self.gate, FENCED_ISOLATION):
+        async with statement_locked_transaction(self.conn, self.statement_lock, FENCED_ISOLATION):
             sent = time.monotonic()
-            async with self.gate:
-                fence = await self.conn.fetchrow(Q["fence_begin"], self.key)
+            async with self.statement_lock:
+                fence = await self.conn.fetchrow(QUERIES["fence_begin"], self.key)
             if not fence["held"]:
                 self._fence_broken("the lock connection no longer holds the lock")
             self.last_proven = sent  # as good as a heartbeat
             self.schema.check(fence["schema_version"], self.log, "fence")
             if only_ours:
-                yield PgTx(self.conn, self.fencing_token, self.gate)
+                yield PgTx(self.conn, self.fencing_token, self.statement_lock)
                 return
             try:
-                async with gated_transaction(self.conn, self.gate):
-                    yield PgTx(self.conn, self.fencing_token, self.gate)
+                async with statement_locked_transaction(self.conn, self.statement_lock):
+                    yield PgTx(self.conn, self.fencing_token, self.statement_lock)
             finally:
-                async with self.gate:
+                async with self.statement_lock:
                     await self._restore()
 
     async def _restore(self) -> None:
@@ -212,7 +212,7 @@ class SessionLease(LeaseState):
         try:
             async with asyncio.timeout(self.settings.database.connect_timeout):
                 if self.conn.is_in_transaction():
-                    if not await self.conn.fetchval(Q["fence_restore"], self.key):
+                    if not await self.conn.fetchval(QUERIES["fence_restore"], self.key):
                         self.log.warning(
                             "leader.lock_restored",
                             hint="SQL run in a fenced transaction released the loop's "
@@ -221,7 +221,9 @@ class SessionLease(LeaseState):
                         )
                 # SQL ended the transaction (COMMIT): without the transaction-level hold
                 # only the session lock is left to tell. Do not touch it; look.
-                elif not await self.conn.fetchval(Q["lock_entry"], self.key, self.backend_pid):
+                elif not await self.conn.fetchval(
+                    QUERIES["lock_entry"], self.key, self.backend_pid
+                ):
                     self._fence_broken("SQL in a fenced transaction ended it and the lock")
         except LeadershipLost:
             raise
@@ -229,7 +231,7 @@ class SessionLease(LeaseState):
             self._fence_broken(f"could not restore the fence: {describe(exc)}")
 
     def _fence_broken(self, reason: str) -> None:
-        self.lose(reason, gone=True)
+        self.lose(reason, lock_may_be_free=True)
         raise LeadershipLost(reason)
 
 
@@ -250,14 +252,16 @@ class SessionGuard(GuardBase[PostgresStore]):
             await conn.execute(self._session_timeouts())
             await self._wait_for_lock(conn)
             async with conn.transaction():
-                found = await conn.fetchrow(Q["leader_predecessor"], self.loop, self.key)
+                found = await conn.fetchrow(QUERIES["leader_predecessor"], self.loop, self.key)
                 # Granted on a schema newer than we know: claim nothing, let the lock go
                 # (the connection is dropped below) to whoever waits next.
                 self.schema.check(found["schema_version"], self.log, "lock granted")
                 predecessor = found if found["instance"] is not None else None
-                token = await conn.fetchval(Q["fencing_next"], self.loop, self.settings.instance_id)
+                token = await conn.fetchval(
+                    QUERIES["fencing_next"], self.loop, self.settings.instance_id
+                )
                 row = await conn.fetchrow(
-                    Q["leader_claim"],
+                    QUERIES["leader_claim"],
                     self.loop,
                     self.key,
                     self.settings.instance_id,
@@ -265,7 +269,7 @@ class SessionGuard(GuardBase[PostgresStore]):
                     os.getpid(),
                     token,
                 )
-            settled = await self._settle(conn, predecessor)
+            settled = await self._wait_for_predecessor(conn, predecessor)
         except BaseException:
             conn.terminate()
             raise
@@ -341,8 +345,10 @@ class SessionGuard(GuardBase[PostgresStore]):
             f"SET idle_in_transaction_session_timeout = {stall_ms}"
         )
 
-    async def _settle(self, conn: asyncpg.Connection, predecessor: Any) -> dict[str, Any]:
-        settled = await settle(conn, predecessor, self.key, self.settings)
+    async def _wait_for_predecessor(
+        self, conn: asyncpg.Connection, predecessor: Any
+    ) -> dict[str, Any]:
+        settled = await wait_for_predecessor(conn, predecessor, self.key, self.settings)
         if self.loop == "plugin":
             await self._settle_shard_leaders(conn)
         return settled
@@ -357,7 +363,7 @@ class SessionGuard(GuardBase[PostgresStore]):
         stale = [
             row
             for row in await conn.fetch(
-                Q["shard_stale_leaders"], self.loop, ShardKeys(self.key, 1).shard_class
+                QUERIES["shard_stale_leaders"], self.loop, ShardKeys(self.key, 1).shard_class
             )
             if row["loop"] != self.loop and (row["instance"], row["pid"]) != me
         ]
@@ -365,16 +371,18 @@ class SessionGuard(GuardBase[PostgresStore]):
             return
         whom = {(row["instance"], row["pid"]): row for row in stale}
         pool = self.store.pool  # several at once: not on the one lock connection
-        await asyncio.gather(*(settle(pool, row, self.key, self.settings) for row in whom.values()))
+        await asyncio.gather(
+            *(wait_for_predecessor(pool, row, self.key, self.settings) for row in whom.values())
+        )
         await conn.execute(
-            Q["leaders_forget"], [row["loop"] for row in stale],
+            QUERIES["leaders_forget"], [row["loop"] for row in stale],
             [row["backend_pid"] for row in stale],
         )  # fmt: skip
 
     def _on_closed(self, lease: SessionLease) -> Callable[[Any], None]:
         def closed(_conn: Any) -> None:
             # The session is over, so is the lock: a standby may be granted it right now.
-            lease.lose("lock connection closed", gone=True)
+            lease.lose("lock connection closed", lock_may_be_free=True)
 
         return closed
 
@@ -425,7 +433,11 @@ class SessionGuard(GuardBase[PostgresStore]):
         the session is busy and no idle timeout runs."""
         try:
             held = await ask_between_statements(
-                lease.conn, lease.conn_lock, lease.gate, Q["lock_held"], self.key
+                lease.conn,
+                lease.transaction_lock,
+                lease.statement_lock,
+                QUERIES["lock_held"],
+                self.key,
             )
             if held is not None:
                 return bool(held)
@@ -434,21 +446,21 @@ class SessionGuard(GuardBase[PostgresStore]):
                 raise
             # Closed under us, its close callback not yet run: the session, and the lock
             # with it, is over (not a network doubt that would earn the work its grace).
-            lease.lose("lock connection closed", gone=True)
+            lease.lose("lock connection closed", lock_may_be_free=True)
             return False
-        held = await self.store.pool.fetchval(Q["lock_entry"], self.key, lease.backend_pid)
+        held = await self.store.pool.fetchval(QUERIES["lock_entry"], self.key, lease.backend_pid)
         return held is True
 
-    def _report_lost(self, reason: str, gone: bool) -> None:
+    def _report_lost(self, reason: str, lock_may_be_free: bool) -> None:
         """The lease's loss, reported once, whatever noticed it."""
         self.metrics.leadership_changes.labels(self.loop, "lost").inc()
-        self.log.warning("leader.lost", reason=reason, lock_may_be_free=gone)
+        self.log.warning("leader.lost", reason=reason, lock_may_be_free=lock_may_be_free)
 
     async def _release(self, lease: SessionLease, graceful: bool) -> None:
         if graceful:
             try:
                 async with asyncio.timeout(self.settings.database.connect_timeout):
-                    await lease.conn.execute(Q["leader_release"], self.loop, self.key)
+                    await lease.conn.execute(QUERIES["leader_release"], self.loop, self.key)
                     await lease.conn.execute("SELECT pg_advisory_unlock($1)", self.key)
                     await lease.conn.close()
                 self.metrics.leadership_changes.labels(self.loop, "released").inc()

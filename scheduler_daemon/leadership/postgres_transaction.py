@@ -42,7 +42,7 @@ from ..db.postgres import (
     PostgresStore,
     ask_between_statements,
     detect_dead_peer,
-    gated_transaction,
+    statement_locked_transaction,
 )
 from ..db.sqlfiles import queries
 from ..errors import describe
@@ -58,7 +58,7 @@ from .base import (
     settle_time,
 )
 
-Q = queries("postgres")
+QUERIES = queries("postgres")
 
 # How long a tick waits for its hand-over hold to be queued on the lock (one round trip
 # on a healthy server) before it gives up and rolls back what it claimed.
@@ -123,10 +123,10 @@ class TransactionGuard(GuardBase[PostgresStore]):
             self.note_leading(False)
             raise NotLeader(self.loop)
         instance = self.settings.instance_id
-        drawn = await conn.fetchrow(Q["fencing_next"], self.loop, instance)
+        drawn = await conn.fetchrow(QUERIES["fencing_next"], self.loop, instance)
         token: int = drawn["token"]
         await conn.execute(
-            Q["leader_touch"],
+            QUERIES["leader_touch"],
             self.loop,
             self.key,
             instance,
@@ -135,10 +135,10 @@ class TransactionGuard(GuardBase[PostgresStore]):
             token,
         )
         self.note_leading(True)
-        await self._settle(drawn["previous"], token)
+        await self._wait_for_predecessor(drawn["previous"], token)
         return token, fence["backend"]
 
-    async def _settle(self, previous: int | None, token: int) -> None:
+    async def _wait_for_predecessor(self, previous: int | None, token: int) -> None:
         """A transaction that wins the lock draws the loop's next token. If the last one
         committed is not the one before it, a holder since then did not commit: its hold
         was lost — to a terminated backend, a restarted server — and its replica, perhaps
@@ -163,10 +163,10 @@ class TransactionLease(LeaseState):
         self.guard = guard
         self._watched: TransactionHold | None = None  # the tick's, while it runs
 
-    def fresh(self) -> bool:
+    def proven_recently(self) -> bool:
         if self.lost.is_set():
             return False
-        return self._watched is None or self._watched.fresh()
+        return self._watched is None or self._watched.proven_recently()
 
     @asynccontextmanager
     async def transaction(self, *, only_ours: bool = False) -> AsyncIterator[PgTx]:
@@ -249,10 +249,10 @@ class TransactionHold(LeaseState):
         self.guard = guard
         self.parent = parent
         # One user of the connection at a time (a savepoint's work, or a proof); within
-        # it, one statement at a time (the gate), so that a proof can talk between two
+        # it, one statement at a time (the statement lock), so that a proof can talk between two
         # statements of work that awaits something else in between.
-        self.conn_lock = asyncio.Lock()
-        self.gate = asyncio.Lock()
+        self.transaction_lock = asyncio.Lock()
+        self.statement_lock = asyncio.Lock()
         # A tick that runs in this hold's transaction itself (_watched_transaction):
         # cancelled the moment the hold is lost.
         self._tick = tick
@@ -323,13 +323,13 @@ class TransactionHold(LeaseState):
                 # Only now, not while queued: a migration waiting for the tick would queue
                 # this read behind it, and the tick waits for this hold to be queued. Read
                 # now, it makes a migration wait for the hold's runs, or sees it committed.
-                version = await self._conn.fetchval(Q["schema_version"])
+                version = await self._conn.fetchval(QUERIES["schema_version"])
                 self.guard.schema.check(version, self.guard.log, "fence")
                 await self._conn.execute("SET LOCAL lock_timeout = DEFAULT")
                 # A token of its own, drawn in its own transaction: if this hold is lost,
                 # the next winner of the lock sees the gap (TransactionGuard._settle).
                 self.fencing_token = await self._conn.fetchval(
-                    Q["fencing_next"], self.guard.loop, self.settings.instance_id
+                    QUERIES["fencing_next"], self.guard.loop, self.settings.instance_id
                 )
             self.last_proven = time.monotonic()
             self._on_closed = self._closed
@@ -381,15 +381,15 @@ class TransactionHold(LeaseState):
             return False
 
     def _terminate(self) -> None:
-        self.lose("work stuck on the hold's connection", gone=True)
+        self.lose("work stuck on the hold's connection", lock_may_be_free=True)
         if self._usable():
             self._conn.terminate()
 
     def _closed(self, _conn: Any) -> None:
-        self.lose("hold connection closed", gone=True)
+        self.lose("hold connection closed", lock_may_be_free=True)
 
-    def _report_lost(self, reason: str, gone: bool) -> None:
-        self.guard.log.warning("hold.lost", reason=reason, lock_may_be_free=gone)
+    def _report_lost(self, reason: str, lock_may_be_free: bool) -> None:
+        self.guard.log.warning("hold.lost", reason=reason, lock_may_be_free=lock_may_be_free)
         tick = self._tick
         if tick is not None and tick is not asyncio.current_task() and not tick.done():
             tick.cancel()
@@ -405,31 +405,39 @@ class TransactionHold(LeaseState):
         statement runs on it (busy, so not idle)."""
         key, backend = self.guard.key, self._backend
         held = await ask_between_statements(
-            self._conn, self.conn_lock, self.gate, Q["lock_entry"], key, backend
+            self._conn,
+            self.transaction_lock,
+            self.statement_lock,
+            QUERIES["lock_entry"],
+            key,
+            backend,
         )
         if held is None:
-            held = await self.guard.store.pool.fetchval(Q["lock_entry"], key, backend)
+            held = await self.guard.store.pool.fetchval(QUERIES["lock_entry"], key, backend)
         return held is True
 
     @asynccontextmanager
     async def statements(self) -> AsyncIterator[PgTx]:
         """The held transaction itself, for one user at a time."""
-        async with self.conn_lock:
+        async with self.transaction_lock:
             if self.lost.is_set():
                 raise LeadershipLost(self.reason or "lost")
             try:
-                yield PgTx(self._conn, self.fencing_token, self.gate)
+                yield PgTx(self._conn, self.fencing_token, self.statement_lock)
             finally:
                 if self._usable() and not self._conn.is_in_transaction():
                     # SQL in it ran COMMIT or ROLLBACK: the held transaction, and the lock
                     # with it, are gone; everything still running must stop now.
-                    self.lose("SQL ended the hold's transaction", gone=True)
+                    self.lose("SQL ended the hold's transaction", lock_may_be_free=True)
 
     @asynccontextmanager
     async def transaction(self, *, only_ours: bool = False) -> AsyncIterator[PgTx]:
         """A savepoint in the held transaction: what one piece of the hold's work wrote
         and its result commit together with the hold, or roll back alone."""
-        async with self.statements() as tx, gated_transaction(self._conn, self.gate):
+        async with (
+            self.statements() as tx,
+            statement_locked_transaction(self._conn, self.statement_lock),
+        ):
             yield tx
 
     async def _close(self, commit: bool) -> None:

@@ -19,7 +19,7 @@ over those assigned elsewhere. A hand-over is the old owner's, end to end: it st
 claiming the shard, lets its runs in flight end (``plugin.handover_timeout``, then stops
 them as a lost leadership would), writes their results, deletes its leader row, and only
 then unlocks. The next owner, granted the lock, draws the shard's fencing token, and waits
-for a predecessor that did not hand over (``settle``, as the session guard does).
+for a predecessor that did not hand over (``wait_for_predecessor``, as the session guard does).
 
 What makes a member look again: a NOTIFY on ``scheduler_shards_changed`` (sent by a member
 that joined, handed a shard over or left), the heartbeat seeing a different member list,
@@ -55,20 +55,25 @@ from ..db.postgres import (
     PgTx,
     ask_between_statements,
     detect_dead_peer,
-    gated_transaction,
+    statement_locked_transaction,
 )
 from ..db.sqlfiles import queries
 from ..errors import describe
 from ..schema_gate import SchemaNewer
 from .assignment import Member, assign
 from .base import LeadershipLost, LeaseState, Stopping, discard_outcome, heartbeat
-from .postgres_session import SessionGuard, SessionLease, session_keepalive_settings, settle
+from .postgres_session import (
+    SessionGuard,
+    SessionLease,
+    session_keepalive_settings,
+    wait_for_predecessor,
+)
 
 if TYPE_CHECKING:
     from ..db.listen import Listener
     from ..metrics import Metrics
 
-Q = queries("postgres")
+QUERIES = queries("postgres")
 T = TypeVar("T")
 
 SHARDS_CHANNEL = "scheduler_shards_changed"
@@ -147,15 +152,15 @@ class ShardLease(LeaseState):
         self.unlocking = False  # its lock is being let go: the heartbeat must not judge it
         self.needs_abandon = True  # runs its predecessor left `running` are closed first
 
-    def _report(self, reason: str, gone: bool) -> None:
-        self.member.shard_lost(self, reason, gone)
+    def _report(self, reason: str, lock_may_be_free: bool) -> None:
+        self.member.shard_lost(self, reason, lock_may_be_free)
 
     @property
     def scope(self) -> ShardScope:
         return ShardScope(self.member.keys.count, {self.shard: self.fencing_token})
 
-    def fresh(self) -> bool:
-        return not self.lost.is_set() and self.member.fresh()
+    def proven_recently(self) -> bool:
+        return not self.lost.is_set() and self.member.proven_recently()
 
     def transaction(self, *, only_ours: bool = False) -> AbstractAsyncContextManager[PgTx]:
         return self.member.fenced([self], only_ours=only_ours, require_all=True)
@@ -200,17 +205,17 @@ class MemberLease(SessionLease):
         """The shards a tick may claim for: held, not lost, not being handed over."""
         return [s for s in self.shards.values() if not s.draining and not s.lost.is_set()]
 
-    def lose(self, reason: str, *, gone: bool) -> bool:
-        first = super().lose(reason, gone=gone)
+    def lose(self, reason: str, *, lock_may_be_free: bool) -> bool:
+        first = super().lose(reason, lock_may_be_free=lock_may_be_free)
         for shard in list(self.shards.values()):
-            shard.lose(reason, gone=gone)
+            shard.lose(reason, lock_may_be_free=lock_may_be_free)
         return first
 
-    def shard_lost(self, shard: ShardLease, reason: str, gone: bool) -> None:
+    def shard_lost(self, shard: ShardLease, reason: str, lock_may_be_free: bool) -> None:
         if self.lost.is_set():
             return  # the member's own loss is what gets reported
         self.metrics.shard_changes.labels("plugin", "lost", "lost").inc()
-        shard.log.warning("shard.lost", reason=reason, lock_may_be_free=gone)
+        shard.log.warning("shard.lost", reason=reason, lock_may_be_free=lock_may_be_free)
         self.rebalance.set()
         if not shard.draining and self.hand_over is not None:
             # Stopped now, not when the rebalancer next gets round to it: its work must
@@ -231,12 +236,14 @@ class MemberLease(SessionLease):
         session still holds: a shard found lost is lost from here on; ``require_all``: then
         the transaction is refused). Its PgTx carries their scope, which the plugin
         loop's statements keep to."""
-        async with self.conn_lock:
+        async with self.transaction_lock:
             self._closed_already()
             if self.lost.is_set():
                 raise LeadershipLost(self.reason or "lost")
             try:
-                async with gated_transaction(self.conn, self.gate, FENCED_ISOLATION):
+                async with statement_locked_transaction(
+                    self.conn, self.statement_lock, FENCED_ISOLATION
+                ):
                     # User SQL may run (a task's, not only_ours): then every lock of the
                     # member is held by the transaction, not just these shards' (SQL that
                     # unlocks everything must not free the others for a moment either).
@@ -244,9 +251,9 @@ class MemberLease(SessionLease):
                     if not only_ours:
                         asked = sorted(s.shard for s in self.shards.values() if not s.unlocking)
                     sent = time.monotonic()
-                    async with self.gate:
+                    async with self.statement_lock:
                         fence = await self.conn.fetchrow(
-                            Q["shard_fence_begin"], self.keys.member_class, self.member_objid,
+                            QUERIES["shard_fence_begin"], self.keys.member_class, self.member_objid,
                             self.keys.shard_class, asked, self.key,
                         )  # fmt: skip
                     if not fence["member"]:
@@ -257,21 +264,21 @@ class MemberLease(SessionLease):
                     held = set(fence["shards"])
                     for shard in shards:
                         if shard.shard not in held:
-                            shard.lose("its shard lock is no longer held", gone=True)
+                            shard.lose("its shard lock is no longer held", lock_may_be_free=True)
                     live = [s for s in shards if s.shard in held]
                     if require_all and len(live) < len(shards):
                         raise LeadershipLost("its shard lock is no longer held")
                     scope = ShardScope(self.keys.count, {s.shard: s.fencing_token for s in live})
                     token = live[0].fencing_token if len(live) == 1 else None
-                    tx = PgTx(self.conn, token, self.gate, scope)
+                    tx = PgTx(self.conn, token, self.statement_lock, scope)
                     if only_ours:
                         yield tx
                         return
                     try:
-                        async with gated_transaction(self.conn, self.gate):
+                        async with statement_locked_transaction(self.conn, self.statement_lock):
                             yield tx
                     finally:
-                        async with self.gate:
+                        async with self.statement_lock:
                             await self._restore_all(sorted(held))
             except BaseException:
                 self._closed_already()
@@ -285,8 +292,8 @@ class MemberLease(SessionLease):
         try:
             async with asyncio.timeout(self.settings.database.connect_timeout):
                 if self.conn.is_in_transaction():
-                    kept = await self.conn.fetchval(Q["shard_fence_release"], *args)
-                    await self.conn.fetchval(Q["shard_fence_retake"], *args)
+                    kept = await self.conn.fetchval(QUERIES["shard_fence_release"], *args)
+                    await self.conn.fetchval(QUERIES["shard_fence_retake"], *args)
                     if not kept:
                         self.log.warning(
                             "leader.lock_restored",
@@ -297,7 +304,7 @@ class MemberLease(SessionLease):
                     return
                 # SQL ended the transaction (COMMIT): look, do not touch.
                 state = await self.conn.fetchval(
-                    Q["shard_member_state"], self.backend_pid, self.keys.member_class,
+                    QUERIES["shard_member_state"], self.backend_pid, self.keys.member_class,
                     self.member_objid, self.keys.shard_class,
                 )  # fmt: skip
                 if not state["member"] or not set(shards) <= set(state["shards"]):
@@ -314,7 +321,7 @@ class MemberLease(SessionLease):
         for shard in list(self.shards.values()):
             judged = shard.acquired_at < sent and not shard.unlocking
             if judged and shard.shard not in held and not shard.lost.is_set():
-                shard.lose("heartbeat: its shard lock is no longer held", gone=True)
+                shard.lose("heartbeat: its shard lock is no longer held", lock_may_be_free=True)
         self.note_members(state["members"])
         return bool(state["member"])
 
@@ -411,7 +418,9 @@ class ShardedSessionGuard(SessionGuard):
         while True:
             async with conn.transaction():
                 await conn.execute("SELECT pg_advisory_xact_lock($1, $2)", keys.shard_class, _GATE)
-                layouts = await conn.fetchrow(Q["shard_layouts"], keys.member_class, keys.count - 1)
+                layouts = await conn.fetchrow(
+                    QUERIES["shard_layouts"], keys.member_class, keys.count - 1
+                )
                 if layouts["others"]:
                     why = (
                         f"replicas running with plugin.shards={layouts['other_count']} share "
@@ -446,7 +455,7 @@ class ShardedSessionGuard(SessionGuard):
         if graceful:
             try:
                 async with asyncio.timeout(self.settings.database.connect_timeout):
-                    await lease.conn.execute(Q["shard_leaders_release"], shards)
+                    await lease.conn.execute(QUERIES["shard_leaders_release"], shards)
                     await lease.conn.execute("SELECT pg_advisory_unlock_all()")
                     handover: dict[str, float] = {}
                     if lease.stopping_since is not None:  # the stop to the unlock, runs too
@@ -488,15 +497,19 @@ class ShardedSessionGuard(SessionGuard):
         sent = time.monotonic()
         try:
             state = await ask_between_statements(
-                lease.conn, lease.conn_lock, lease.gate, Q["shard_member_state"], *args
+                lease.conn,
+                lease.transaction_lock,
+                lease.statement_lock,
+                QUERIES["shard_member_state"],
+                *args,
             )
         except (asyncpg.InterfaceError, asyncpg.ConnectionDoesNotExistError):
             if not lease.conn.is_closed():
                 raise
-            lease.lose("lock connection closed", gone=True)
+            lease.lose("lock connection closed", lock_may_be_free=True)
             return False
         if state is None:
-            state = await self.store.pool.fetchval(Q["shard_member_state"], *args)
+            state = await self.store.pool.fetchval(QUERIES["shard_member_state"], *args)
         return lease.observe(state, sent)
 
     # -- moving towards the assignment ---------------------------------------------------------
@@ -573,7 +586,7 @@ class ShardedSessionGuard(SessionGuard):
 
     async def _view(self) -> View:
         rows = await self.store.pool.fetch(
-            Q["shard_members"], self.keys.member_class, self.keys.shard_class,
+            QUERIES["shard_members"], self.keys.member_class, self.keys.shard_class,
             self.keys.count - 1, self.keys.count,
         )  # fmt: skip
         members = tuple(
@@ -592,12 +605,12 @@ class ShardedSessionGuard(SessionGuard):
         (dead ones are gone in milliseconds) before any of its work starts."""
         conn = lease.conn
         started = time.monotonic()
-        # The gate too: no heartbeat may talk on the connection between these statements.
-        async with lease.conn_lock, lease.gate:
+        # The statement lock too: no heartbeat may talk on the connection between these statements.
+        async with lease.transaction_lock, lease.statement_lock:
             if lease.lost.is_set():
                 return
             taken: list[int] = (
-                await conn.fetchval(Q["shard_try_lock"], self.keys.shard_class, wanted) or []
+                await conn.fetchval(QUERIES["shard_try_lock"], self.keys.shard_class, wanted) or []
             )
             if not taken:
                 return
@@ -641,10 +654,10 @@ class ShardedSessionGuard(SessionGuard):
         """Shards taken whose setup failed: never left held and led by nobody. Their rows
         go, then their locks (or the connection, and every lock with it)."""
         try:
-            if locked:  # the caller holds conn_lock and the gate
+            if locked:  # the caller holds transaction_lock and the statement_lock
                 await self._unlock(lease, shards)
             else:
-                async with lease.conn_lock, lease.gate:
+                async with lease.transaction_lock, lease.statement_lock:
                     await self._unlock(lease, shards)
         except BaseException:
             lease.conn.terminate()
@@ -657,8 +670,8 @@ class ShardedSessionGuard(SessionGuard):
     async def _unlock(self, lease: MemberLease, shards: list[int]) -> None:
         if lease.lost.is_set():
             return  # the guard drops the connection, and the locks with it
-        await lease.conn.execute(Q["shard_leaders_release"], shards)
-        await lease.conn.fetchval(Q["shard_unlock"], self.keys.shard_class, shards)
+        await lease.conn.execute(QUERIES["shard_leaders_release"], shards)
+        await lease.conn.fetchval(QUERIES["shard_unlock"], self.keys.shard_class, shards)
 
     async def _settle_all(self, stale: list[Any]) -> dict[tuple[Any, ...], dict[str, Any]]:
         """Wait for every leader that did not hand over, at once (after a PostgreSQL
@@ -671,7 +684,10 @@ class ShardedSessionGuard(SessionGuard):
         takeover). What each wait was, by leader."""
         whom = {_who(row): row for row in stale}
         waits = await asyncio.gather(
-            *(settle(self.store.pool, row, self.key, self.settings) for row in whom.values()),
+            *(
+                wait_for_predecessor(self.store.pool, row, self.key, self.settings)
+                for row in whom.values()
+            ),
             return_exceptions=True,
         )
         for outcome in waits:
@@ -680,7 +696,7 @@ class ShardedSessionGuard(SessionGuard):
         other = [row for row in stale if not self._of_this_layout(row["loop"])]
         if other:
             await self.store.pool.execute(
-                Q["leaders_forget"], [row["loop"] for row in other],
+                QUERIES["leaders_forget"], [row["loop"] for row in other],
                 [row["backend_pid"] for row in other],
             )  # fmt: skip
         return {who: cast(dict[str, Any], wait) for who, wait in zip(whom, waits, strict=True)}
@@ -704,17 +720,17 @@ class ShardedSessionGuard(SessionGuard):
             stale = [
                 row
                 for row in await conn.fetch(
-                    Q["shard_stale_leaders"], self.loop, self.keys.shard_class
+                    QUERIES["shard_stale_leaders"], self.loop, self.keys.shard_class
                 )
                 if (row["instance"], row["pid"]) != me
             ]
             for shard in shards:
                 name, key = f"{self.loop}/{shard}", self.keys.lock_key(shard)
-                found = await conn.fetchrow(Q["leader_predecessor"], name, key)
+                found = await conn.fetchrow(QUERIES["leader_predecessor"], name, key)
                 self.schema.check(found["schema_version"], self.log, "lock granted")
-                tokens[shard] = await conn.fetchval(Q["fencing_next"], name, self.instance)
+                tokens[shard] = await conn.fetchval(QUERIES["fencing_next"], name, self.instance)
                 await conn.execute(
-                    Q["leader_claim"], name, key, self.instance, socket.gethostname(),
+                    QUERIES["leader_claim"], name, key, self.instance, socket.gethostname(),
                     os.getpid(), tokens[shard],
                 )  # fmt: skip
         return tokens, stale
@@ -730,26 +746,32 @@ class ShardedSessionGuard(SessionGuard):
             if self._ended(lease):
                 return
             self.log.error("shard.handover_failed", shard=shard.shard, error=describe(exc))
-            lease.lose(f"handing shard {shard.shard} over failed: {describe(exc)}", gone=False)
+            lease.lose(
+                f"handing shard {shard.shard} over failed: {describe(exc)}", lock_may_be_free=False
+            )
 
     async def _give_up(self, lease: MemberLease, shard: ShardLease, reason: str) -> None:
         started = time.monotonic()
         # A tick fenced for it before it was marked draining has started its runs by the
         # time it lets the connection go: they are the shard's work from here on.
-        async with lease.conn_lock:
+        async with lease.transaction_lock:
             pass
         pending = {task for task in shard._work if not task.done()}
         if pending and not shard.lost.is_set():
             timeout = self.settings.plugin.handover_timeout
             _, late = await asyncio.wait(pending, timeout=timeout)
             if late:
-                shard.lose(f"handed over: runs still running after {timeout:g}s", gone=False)
+                shard.lose(
+                    f"handed over: runs still running after {timeout:g}s", lock_may_be_free=False
+                )
         await shard.stop_work(unblock=lease.conn.terminate)
         shard.unlocking = True
-        async with lease.conn_lock, lease.gate:
+        async with lease.transaction_lock, lease.statement_lock:
             if not lease.lost.is_set():
-                await lease.conn.execute(Q["shard_leaders_release"], [shard.shard])
-                await lease.conn.fetchval(Q["shard_unlock"], self.keys.shard_class, [shard.shard])
+                await lease.conn.execute(QUERIES["shard_leaders_release"], [shard.shard])
+                await lease.conn.fetchval(
+                    QUERIES["shard_unlock"], self.keys.shard_class, [shard.shard]
+                )
         del lease.shards[shard.shard]
         self._released(shard, reason, handover=round(time.monotonic() - started, 4))
         self._owned(lease)

@@ -54,7 +54,7 @@ from ..logs import Logger
 from ..schema_gate import SchemaGate
 from .base import GuardBase, LeaseState, Stopping
 
-Q = queries("sqlite")
+QUERIES = queries("sqlite")
 POLL_INTERVAL = 0.05  # local file lock: cheap to try, and takeover should feel instant
 
 # Open-file-description locks: Linux 3.15 and later. None elsewhere.
@@ -109,7 +109,7 @@ class FlockLease(LeaseState):
         self.store = store
         self.schema = schema
 
-    def fresh(self) -> bool:
+    def proven_recently(self) -> bool:
         # Nobody evicts a flock holder: however long we were frozen, the lock stayed ours.
         return not self.lost.is_set()
 
@@ -123,7 +123,7 @@ class FlockLease(LeaseState):
 
 
 async def _schema_version(conn: aiosqlite.Connection) -> int | None:
-    async with conn.execute(Q["schema_version"]) as cursor:
+    async with conn.execute(QUERIES["schema_version"]) as cursor:
         row = await cursor.fetchone()
     version: int | None = None if row is None else row[0]
     return version
@@ -185,12 +185,12 @@ class FlockGuard(GuardBase[SqliteStore]):
                 # Granted on a schema newer than we know: claim nothing, let the locks go.
                 self.schema.check(await _schema_version(conn), self.log, "lock granted")
                 instance = self.settings.instance_id
-                async with conn.execute(Q["fencing_next"], (self.loop, instance)) as cursor:
+                async with conn.execute(QUERIES["fencing_next"], (self.loop, instance)) as cursor:
                     row = await cursor.fetchone()
                 assert row is not None  # an upsert with RETURNING returns its row
                 token = row[0]
                 await conn.execute(
-                    Q["leader_claim"],
+                    QUERIES["leader_claim"],
                     (self.loop, self.key, instance, socket.gethostname(), os.getpid(), token),
                 )
             lease = FlockLease(self.store, token, self.settings, self.log, self.schema)
@@ -210,7 +210,7 @@ class FlockGuard(GuardBase[SqliteStore]):
                 with suppress(Exception):
                     async with self.store.write_transaction() as conn:
                         await conn.execute(
-                            Q["leader_release"], (self.loop, self.key, *self._identity)
+                            QUERIES["leader_release"], (self.loop, self.key, *self._identity)
                         )
                 self.metrics.leadership_changes.labels(self.loop, "released").inc()
                 self.log.info("leader.released")
@@ -244,10 +244,10 @@ class FlockGuard(GuardBase[SqliteStore]):
         fd = self._lock_file
         if fd is not None and self._still_at_path(fd):
             return fd
-        fresh = self.open_lock_file()
+        opened = self.open_lock_file()
         self._close_lock_file()
-        self._lock_file = fresh
-        return fresh
+        self._lock_file = opened
+        return opened
 
     def _still_at_path(self, fd: int) -> bool:
         """Whether the lock file open on ``fd`` is the one :attr:`path` names now."""
@@ -302,22 +302,22 @@ class FlockGuard(GuardBase[SqliteStore]):
         if self._still_at_path(self._lock_file):
             return
         try:
-            fresh = self.open_lock_file()
+            opened = self.open_lock_file()
         except (ConfigError, OSError) as exc:  # OSError: one that may pass (EMFILE, ENOSPC)
             self.log.warning("leader.lock_file_lost", lock_file=str(self.path), error=str(exc))
             return
-        if not _try_flock(fresh):
-            os.close(fresh)
+        if not _try_flock(opened):
+            os.close(opened)
             # A standby holds it for a moment, between its two tries.
             self.log.warning("leader.lock_file_lost", lock_file=str(self.path), error="busy")
             return
         self._close_lock_file()
-        self._lock_file = fresh
+        self._lock_file = opened
         self.log.info("leader.lock_file_restored", lock_file=str(self.path))
 
     async def _heartbeat(self, lease: FlockLease) -> None:
         """Checks that the files are still where they were, and keeps
-        ``scheduler_leaders.heartbeat_at`` fresh for ``status``; the locks themselves need
+        ``scheduler_leaders.heartbeat_at`` opened for ``status``; the locks themselves need
         no renewal."""
         while True:
             await asyncio.sleep(self.settings.lock.heartbeat_interval)
@@ -325,13 +325,13 @@ class FlockGuard(GuardBase[SqliteStore]):
             if moved is not None:
                 # Another process may lead on the file now at the path (the lock file gone
                 # too, or a directory put in place of ours): stop at once.
-                lease.lose(moved, gone=True)
+                lease.lose(moved, lock_may_be_free=True)
                 return
             self._keep_lock_file()
             try:
                 async with self.store.write_transaction() as conn:
                     await conn.execute(
-                        Q["leader_heartbeat"], (self.loop, self.key, *self._identity)
+                        QUERIES["leader_heartbeat"], (self.loop, self.key, *self._identity)
                     )
             except Exception as exc:
                 self.metrics.heartbeat_failures.labels(self.loop).inc()

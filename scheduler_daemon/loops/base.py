@@ -62,8 +62,15 @@ class LoopWork(Protocol):
         :data:`LISTENING_MAX_SLEEP` while a notification will wake it."""
         ...
 
+    async def leadership_started(self, lease: Lease) -> None:
+        """Called once this replica leads, before the lease's first tick: start the work
+        that lasts the whole leadership (spawned on ``lease``), and note that the first
+        tick takes over from the predecessor."""
+        ...
+
     async def leadership_ended(self, graceful: bool) -> None:
-        """Called before leadership is released. ``graceful``: the daemon is stopping and
+        """Called before leadership is released (also when :meth:`leadership_started`
+        failed). ``graceful``: the daemon is stopping and
         the lease is still valid; otherwise leadership was lost."""
         ...
 
@@ -109,6 +116,7 @@ class LoopRunner:
                     backoff.reset()
                     cancelled = False
                     try:
+                        await self.work.leadership_started(lease)
                         await self._lead(lease)
                     except asyncio.CancelledError:
                         cancelled = True  # shutdown_timeout ran out: no more waiting

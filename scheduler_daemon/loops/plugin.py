@@ -195,11 +195,7 @@ class PluginWork:
             await asyncio.sleep(spacing)
         self._last_tick = time.monotonic()
         if self.listener is not None:
-            # Before the read below, so that no change after it goes unheard.
-            if self._lease is not tick.lease:
-                await self.listener.subscribe(WAKE_CHANNEL, self._on_tasks_changed)
-            else:
-                await self.listener.ensure()
+            await self.listener.ensure()  # before the read below: no change goes unheard
         taking_over = self._lease is not tick.lease
         shards: list[ShardLease] = []
         fence: AbstractAsyncContextManager[Tx]
@@ -453,6 +449,12 @@ class PluginWork:
 
     def _on_tasks_changed(self, _payload: str) -> None:
         self.wake()
+
+    async def leadership_started(self, lease: Lease) -> None:
+        # The first tick takes over (reconciles, closes the predecessor's runs): until it
+        # has committed, self._lease is not this lease, and every tick tries again.
+        if self.listener is not None:
+            await self.listener.subscribe(WAKE_CHANNEL, self._on_tasks_changed)
 
     async def leadership_ended(self, graceful: bool) -> None:
         """Graceful (daemon stopping, lease still valid): let the runs finish and record
@@ -758,5 +760,8 @@ class PluginWork:
                 shard=ctx.shard,
             )
             await self.workers.run(
-                job, gone=hold.gone, fresh=hold.fresh, grace=self.settings.lock.stop_grace
+                job,
+                lock_may_be_free=hold.lock_may_be_free,
+                proven_recently=hold.proven_recently,
+                grace=self.settings.lock.stop_grace,
             )

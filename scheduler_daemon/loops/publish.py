@@ -111,9 +111,7 @@ class PublishWork:
             raise
 
     async def _tick(self, tick: Tick) -> float | None:
-        if self._lease is not tick.lease:
-            await self._start_leading(tick.lease)
-        elif self.listener is not None:
+        if self.listener is not None:
             await self.listener.ensure()
         published = 0
         one_by_one = False
@@ -226,7 +224,7 @@ class PublishWork:
         for publisher in self.publishers:
             # Right before work that may leave the database: a leader resumed after a
             # freeze learns here, not after the call, that it may have been replaced.
-            if not lease.fresh():
+            if not lease.proven_recently():
                 raise LeadershipLost(lease.reason or "lost")
             try:
                 async with asyncio.timeout(timeout) as deadline:
@@ -284,8 +282,7 @@ class PublishWork:
             lateness = (row.published_at - row.publish_at).total_seconds()
             self.metrics.publication_lateness.observe(max(lateness, 0.0))
 
-    async def _start_leading(self, lease: Lease) -> None:
-        await self.leadership_ended(graceful=False)
+    async def leadership_started(self, lease: Lease) -> None:
         self._lease = lease
         settings = self.settings.publish
         if "webhook" in settings.publishers:

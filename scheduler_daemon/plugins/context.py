@@ -55,7 +55,7 @@ class TaskContext:
     def leading(self) -> bool:
         if self.cancelled.is_set():
             return False
-        return self.lease is None or self.lease.fresh()
+        return self.lease is None or self.lease.proven_recently()
 
     def transaction(self) -> AbstractAsyncContextManager[Tx]:
         if self.lease is None:

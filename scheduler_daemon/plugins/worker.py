@@ -246,22 +246,22 @@ class Workers:
         self,
         job: WorkerJob,
         *,
-        gone: asyncio.Event,
-        fresh: Callable[[], bool],
+        lock_may_be_free: asyncio.Event,
+        proven_recently: Callable[[], bool],
         grace: float,
     ) -> None:
         """Run ``job.target`` in a new worker process; return once it returned; raise
         :class:`WorkerFailed` if it raised or the worker died.
 
-        Cancelling this coroutine stops the worker. If ``gone`` is set (the lock may be
+        Cancelling this coroutine stops the worker. If ``lock_may_be_free`` is set (the lock may be
         free already: another replica may be running), its process group is SIGKILLed at
         once; otherwise it is sent SIGTERM (the target sees ``ctx.cancelled``) and given
-        ``grace`` seconds to return, then SIGKILLed (at once if ``gone`` becomes set
+        ``grace`` seconds to return, then SIGKILLed (at once if ``lock_may_be_free`` becomes set
         meanwhile). Either way ``CancelledError`` is raised only once the worker is dead
-        and reaped; further cancellations while it dies are absorbed (``gone`` is how to
+        and reaped; further cancellations while it dies are absorbed (``lock_may_be_free`` is how to
         hurry it).
 
-        While the worker runs, every ``RESUME_INTERVAL``: if ``fresh()`` (the lease is
+        While the worker runs, every ``RESUME_INTERVAL``: if ``proven_recently()`` (the lease is
         still good), a worker stopped by the frozen-parent check is resumed.
 
         Whatever the outcome, processes the worker started and left in its process group
@@ -269,7 +269,7 @@ class Workers:
         """
         run = self._launch(job)
         try:
-            await self._supervise(run, gone, fresh, grace)
+            await self._supervise(run, lock_may_be_free, proven_recently, grace)
         finally:
             if not run.exited.done():  # only if _supervise itself failed
                 _signal(run, signal.SIGKILL)
@@ -328,28 +328,36 @@ class Workers:
         return run
 
     async def _supervise(
-        self, run: _Run, gone: asyncio.Event, fresh: Callable[[], bool], grace: float
+        self,
+        run: _Run,
+        lock_may_be_free: asyncio.Event,
+        proven_recently: Callable[[], bool],
+        grace: float,
     ) -> None:
         try:
             while not run.exited.done():
                 await asyncio.wait([run.exited], timeout=RESUME_INTERVAL)
-                if not run.exited.done() and fresh():
+                if not run.exited.done() and proven_recently():
                     _resume(run)
-        except BaseException:  # cancelled (or fresh() failed): stop the worker first
-            await self._stop(run, gone, fresh, grace)
+        except BaseException:  # cancelled (or proven_recently() failed): stop the worker first
+            await self._stop(run, lock_may_be_free, proven_recently, grace)
             raise
 
     async def _stop(
-        self, run: _Run, gone: asyncio.Event, fresh: Callable[[], bool], grace: float
+        self,
+        run: _Run,
+        lock_may_be_free: asyncio.Event,
+        proven_recently: Callable[[], bool],
+        grace: float,
     ) -> None:
         loop = asyncio.get_running_loop()
-        if not gone.is_set() and not run.exited.done():
+        if not lock_may_be_free.is_set() and not run.exited.done():
             _signal(run, signal.SIGTERM)
             deadline = loop.time() + grace
-            gone_waiter = asyncio.ensure_future(gone.wait())
+            gone_waiter = asyncio.ensure_future(lock_may_be_free.wait())
             waiters: set[asyncio.Future[Any]] = {run.exited, gone_waiter}
             try:
-                while not run.exited.done() and not gone.is_set():
+                while not run.exited.done() and not lock_may_be_free.is_set():
                     remaining = deadline - loop.time()
                     if remaining <= 0:
                         break
@@ -363,7 +371,7 @@ class Workers:
                         )
                     # A worker frozen with its daemon must run to see ctx.cancelled; but
                     # only resume it while the lease is still good.
-                    if not run.exited.done() and _safely(fresh):
+                    if not run.exited.done() and _safely(proven_recently):
                         _resume(run)
             finally:
                 gone_waiter.cancel()
@@ -470,9 +478,9 @@ def _resume(run: _Run) -> None:
         _signal(run, signal.SIGCONT)
 
 
-def _safely(fresh: Callable[[], bool]) -> bool:
+def _safely(proven_recently: Callable[[], bool]) -> bool:
     try:
-        return bool(fresh())
+        return bool(proven_recently())
     except Exception:
         return False  # already stopping: a broken check only withholds the resume
 

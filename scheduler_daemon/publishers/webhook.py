@@ -286,7 +286,7 @@ class WebhookDeliverer:
         # Last thing before the request leaves: after a freeze, the tasks whose timers
         # fell due run in deadline order, and this one may run before the heartbeat that
         # would notice; the age of the last proof tells at once (and ends the lease).
-        if not held.fresh():
+        if not held.proven_recently():
             raise LeadershipLost(held.reason or "lost")
         try:
             # Never follow a redirect: a 301/302 would become a GET without the body, and
