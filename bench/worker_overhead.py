@@ -5,7 +5,7 @@
 A no-op target (``os.getpid``, called without arguments) is run N times (200 by
 default) each way, alternating in blocks of 20 so that both see the same machine:
 
-- **worker**: ``Workers.run`` (scheduler_daemon/plugins/worker.py): a process forked by
+- **worker**: ``Workers.run`` (scheduler_daemon/plugins/workers.py): a process forked by
   the forkserver, its lifeline, its context and logging set up, the result sent back,
   the exit reported and reaped;
 - **thread**: ``run_in_daemon_thread``, the path sync targets took before worker
@@ -38,7 +38,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from scheduler_daemon.plugins.worker import WorkerJob, Workers, _Run
+from scheduler_daemon.plugins.worker_process import WorkerJob
+from scheduler_daemon.plugins.workers import Workers, _Run
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

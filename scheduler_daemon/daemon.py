@@ -42,7 +42,7 @@ from .loops.publish import PublishWork
 from .metrics import Metrics
 from .plugins.builtin import builtin_tasks
 from .plugins.tasks import Target, TaskSpec, load_tasks, runnable_targets
-from .plugins.worker import Workers
+from .plugins.workers import Workers
 from .publishers import Publisher, build_publishers
 from .schema_gate import SchemaGate
 from .sdnotify import Notifier

@@ -1,4 +1,4 @@
-"""Worker processes for sync plugin targets (scheduler_daemon.plugins.worker).
+"""Worker processes for sync plugin targets (scheduler_daemon.plugins.workers, .worker_process).
 
 Real processes throughout, no mocks. The targets are the module-level functions below:
 a worker imports them by name (``test_worker``, pytest puts tests/ on ``sys.path``).
@@ -35,9 +35,9 @@ import structlog
 
 from scheduler_daemon.config import LogSettings
 from scheduler_daemon.plugins.context import TaskContext
-from scheduler_daemon.plugins.worker import (
+from scheduler_daemon.plugins.worker_process import WorkerJob
+from scheduler_daemon.plugins.workers import (
     WorkerFailed,
-    WorkerJob,
     Workers,
     check_picklable,
 )
@@ -576,7 +576,8 @@ from datetime import UTC, datetime
 
 import test_worker
 from scheduler_daemon.config import LogSettings
-from scheduler_daemon.plugins.worker import WorkerJob, Workers
+from scheduler_daemon.plugins.worker_process import WorkerJob
+from scheduler_daemon.plugins.workers import Workers
 
 
 async def main() -> None:

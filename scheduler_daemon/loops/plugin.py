@@ -66,7 +66,8 @@ from ..metrics import Metrics
 from ..plugins.context import TaskContext
 from ..plugins.schedule import plan
 from ..plugins.tasks import Target, TaskSpec, runtime_spec
-from ..plugins.worker import WorkerFailed, WorkerJob, Workers
+from ..plugins.worker_process import WorkerJob
+from ..plugins.workers import WorkerFailed, Workers
 from .base import LISTENING_MAX_SLEEP, Tick
 from .results import SharedResults
 

@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from ..config import MAX_DURATION, PluginTaskSettings, Settings
 from ..errors import ConfigError
 from .schedule import Cron, Every, Misfire, Schedule, check_timezone, with_jitter
-from .worker import check_picklable
+from .workers import check_picklable
 
 if TYPE_CHECKING:
     from ..db.plugin_store import RuntimeDefinition
