@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 
 import asyncpg
@@ -23,6 +24,7 @@ from rig.databases import (
     new_database_name,
     replace_host_port,
 )
+from rig.overlap import find_overlaps
 from rig.pgcluster import PgCluster
 from rig.plugin import ci_is_set
 from rig.processes import Daemons, daemon_env, run_cli
@@ -314,6 +316,45 @@ def test_run_cli_reaches_the_cli() -> None:
     result = run_cli(["--help"], timeout=30)
     assert result.returncode == 0, result.stderr
     assert "migrate" in result.stdout
+
+
+# -- the one overlap rule -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Span:
+    holder: str
+    start: float
+    end: float
+    scope: str = "loop"
+
+
+def _pairs(spans: list[_Span], **options: object) -> list[tuple[str, str]]:
+    found = find_overlaps(spans, scope=lambda s: s.scope, **options)  # type: ignore[arg-type]
+    return [(f"{o.earlier.holder}{o.earlier.start:g}", f"{o.later.holder}{o.later.start:g}")
+            for o in found]  # fmt: skip
+
+
+def test_the_overlap_rule_touching_ends_moments_holders_and_scopes() -> None:
+    by_holder: dict[str, object] = {"holder": lambda s: s.holder}
+    # Intersecting: a shared stretch of time, however short.
+    assert _pairs([_Span("a", 0, 1), _Span("b", 0.999, 2)], **by_holder) == [("a0", "b0.999")]
+    # Touching ends are a hand-over; a moment at another's start or end too.
+    touching = [_Span("a", 0, 1), _Span("b", 1, 2), _Span("c", 2, 2), _Span("a", 0, 0)]
+    assert _pairs(touching, **by_holder) == []
+    # A moment strictly inside another holder's interval is an overlap.
+    assert _pairs([_Span("a", 0, 1), _Span("b", 0.5, 0.5)], **by_holder) == [("a0", "b0.5")]
+    # Hidden behind a long interval: every pair is found, not only neighbours.
+    hidden = [_Span("a", 0, 10), _Span("b", 1, 2), _Span("c", 3, 4)]
+    assert _pairs(hidden, **by_holder) == [("a0", "b1"), ("a0", "c3")]
+    # One holder's own intervals may intersect, unless every interval is its own holder.
+    same = [_Span("a", 0, 1), _Span("a", 0.5, 2)]
+    assert _pairs(same, **by_holder) == []
+    assert _pairs(same) == [("a0", "a0.5")]
+    # Scopes are apart: two loops' leaders may work at once.
+    assert _pairs([_Span("a", 0, 1), _Span("b", 0, 1, scope="other")], **by_holder) == []
+    with pytest.raises(AssertionError, match="ends before it starts"):
+        find_overlaps([_Span("a", 1, 0)])
 
 
 # -- pytest plugin: selection and CI strictness -------------------------------------

@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from pydantic import SecretStr
+from rig.overlap import find_overlaps
 from rig.processes import DaemonProcess, Daemons
 from rig.sql import afetch
 from rig.ticks import FAST_TIMINGS
@@ -455,17 +456,15 @@ async def outbox_settled(url: str, ids: list[int], within: float) -> dict[int, d
         await asyncio.sleep(0.1)
 
 
-def overlapping(calls: list[Call]) -> list[tuple[Call, Call]]:
-    """Pairs of requests that were at the endpoint at the same time."""
-    ordered = sorted(calls, key=start_of)
-    pairs = []
-    for i, first in enumerate(ordered):
-        assert first.end is not None, first
-        for second in ordered[i + 1 :]:
-            if second.start >= first.end:
-                break  # neither can any that started later
-            pairs.append((first, second))
-    return pairs
+def overlapping(
+    calls: list[Call], holder: Callable[[Call], str] | None = None
+) -> list[tuple[Call, Call]]:
+    """Pairs of requests that were at the endpoint at the same time (the rule of
+    ``rig.overlap``, on the endpoint's clock): any two, or with `holder` two of different
+    holders."""
+    for call in calls:
+        assert call.end is not None, f"a request without an end: {call}"
+    return [(o.earlier, o.later) for o in find_overlaps(calls, holder=holder)]
 
 
 def check_one_replica_at_a_time(calls: list[Call]) -> None:
@@ -473,7 +472,7 @@ def check_one_replica_at_a_time(calls: list[Call]) -> None:
     replicas' requests are never at the endpoint at once, and the fencing token never
     goes backwards; it grows whenever the replica changes."""
     assert "?" not in {c.replica for c in calls}, "the URL's ?replica= did not arrive"
-    across = [(a, b) for a, b in overlapping(calls) if a.replica != b.replica]
+    across = overlapping(calls, holder=lambda call: call.replica)
     assert across == [], f"{len(across)} overlaps across replicas, e.g. {across[:3]}"
     ordered = sorted(calls, key=start_of)
     assert all(call.token is not None for call in ordered), "no X-Scheduler-Fencing-Token"

@@ -9,7 +9,8 @@ boolean. Violation kinds:
                            or an acknowledged one the database no longer holds.
 ``unknown_publication``    an effect of a publication the history never scheduled.
 ``duplicate_slot``         one plugin slot (task, slot) run twice, by one kind of record.
-``overlap``                two instances doing one loop's work at overlapping times (with
+``overlap``                two instances doing one loop's work at times that intersect by
+                           the one rule of ``rig.overlap`` (touching ends do not; with
                            sharded leadership, one *shard's* work: see below).
 ``token_regression``       a fencing token smaller than one already seen in that loop (in
                            that shard).
@@ -56,6 +57,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
+
+from rig.overlap import find_overlaps
 
 from chaos.history import (
     RUN_SOURCES,
@@ -575,15 +578,10 @@ class _Checker:
             )
 
     def overlaps(self) -> None:
-        for scope, units in _units(self.history, self.task_shards).items():
-            units.sort(key=lambda u: (u.start, u.end))
-            active: list[_Unit] = []
-            for unit in units:
-                active = [u for u in active if u.end > unit.start]
-                for earlier in active:
-                    if earlier.instance != unit.instance and _overlap(earlier, unit):
-                        self._overlap(scope, earlier, unit)
-                active.append(unit)
+        """The one rule of ``rig.overlap``: per scope, no two instances' units intersect."""
+        units = _units(self.history, self.task_shards)
+        for found in find_overlaps(units, scope=lambda u: u.scope, holder=lambda u: u.instance):
+            self._overlap(found.scope, found.earlier, found.later)
 
     def _overlap(self, scope: str, a: _Unit, b: _Unit) -> None:
         both = min(a.end, b.end) - max(a.start, b.start)
@@ -863,8 +861,8 @@ def _by_slot(runs: Iterable[Run]) -> dict[tuple[str, float], list[Run]]:
     return dict(grouped)
 
 
-def _units(history: History, shards: Mapping[str, int]) -> dict[str, list[_Unit]]:
-    """The units of work by scope (see `scope_of`)."""
+def _units(history: History, shards: Mapping[str, int]) -> list[_Unit]:
+    """The units of work, each with its scope (see `scope_of`)."""
     merged: dict[tuple[Any, ...], _Unit] = {}
     for index, run in enumerate(history.runs):
         if not run.did_work:
@@ -888,25 +886,12 @@ def _units(history: History, shards: Mapping[str, int]) -> dict[str, list[_Unit]
             merged[("effect", index)] = _Unit(
                 "publish", effect.instance, effect.at, effect.at, [effect], "publish"
             )
-    by_scope: dict[str, list[_Unit]] = defaultdict(list)
-    for unit in merged.values():
-        by_scope[unit.scope].append(unit)
-    return by_scope
+    return list(merged.values())
 
 
 def _loop(scope: str) -> str:
     """The loop of a scope (``plugin shard 3`` -> ``plugin``)."""
     return scope.split(" ", 1)[0]
-
-
-def _overlap(a: _Unit, b: _Unit) -> bool:
-    low, high = max(a.start, b.start), min(a.end, b.end)
-    if low < high:
-        return True
-    # A moment of work (an audit row) strictly inside another instance's run.
-    return low == high and any(
-        x.start == x.end == low and y.start < low < y.end for x, y in ((a, b), (b, a))
-    )
 
 
 def _who(record: Record) -> tuple[str | None, int | None]:

@@ -5,8 +5,9 @@ A run's interval is [its first record, its last record]: a run killed outright l
 end, and its last beat (every 10 ms) says when it stopped. :func:`check_effects` fails,
 with an explanation a person can read, on
 
-- two *different* instances working for one loop at overlapping times (one leader running
-  two runs at once is its own concurrency, not an overlap);
+- two *different* instances working for one loop (or one ``exclusive`` scope) at times
+  that intersect by the one rule of ``rig.overlap`` (one leader running two runs at once
+  is its own concurrency, not an overlap);
 - a fencing token going backwards: a run that started after a run with a larger token
   (what an external system using the token would refuse);
 
@@ -17,16 +18,15 @@ they are reported, measured and bounded by the test rather than silently ignored
 
 from __future__ import annotations
 
-import heapq
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from rig.ticks import assert_enough
+from rig.overlap import find_overlaps
+from rig.ticks import assert_enough, stamp
 
 EFFECTS_TARGETS = {
     "async": "scheduler_sample_plugin.effects:probe_async",
@@ -54,7 +54,7 @@ class EffectRun:
         what = self.extra.get("task") or self.kind
         return (
             f"{self.instance} ({what}, token {self.token}, pid {self.pid}) "
-            f"[{_stamp(self.start)}, {_stamp(self.end)}] {self.outcome}"
+            f"[{stamp(self.start)}, {stamp(self.end)}] {self.outcome}"
         )
 
 
@@ -131,9 +131,14 @@ def check_effects(
     assert by_loop, "no effect records at all: the probe never ran, so nothing was checked"
     allowed: list[EffectRun] = []
     summary: dict[str, dict[str, int]] = {}
-    problems: list[tuple[str, tuple[EffectRun, ...]]] = []
-    for name, items in _grouped(runs, exclusive).items():
-        problems += [(f"{name}: {text}", who) for text, who in _overlaps(items)]
+    problems: list[tuple[str, tuple[EffectRun, ...]]] = [
+        (
+            f"{o.scope}: {o.earlier.describe()} and {o.later.describe()}: "
+            f"{o.seconds:.3f}s of work by two instances at once",
+            (o.earlier, o.later),
+        )
+        for o in find_overlaps(runs, scope=exclusive, holder=lambda run: run.instance)
+    ]
     for name, items in _grouped(runs, tokens).items():
         problems += [(f"{name}: {text}", who) for text, who in _regressions(items)]
     unexcused = [message for message, who in problems if not any(map(allow, who))]
@@ -157,27 +162,6 @@ def _grouped(
     return groups
 
 
-def _overlaps(items: list[EffectRun]) -> list[tuple[str, tuple[EffectRun, ...]]]:
-    problems: list[tuple[str, tuple[EffectRun, ...]]] = []
-    # Overlap: each run against every earlier run still going when it started, kept
-    # per instance in a heap by end (a sweep: thousands of runs a second stay cheap).
-    going: dict[str, list[tuple[float, int, EffectRun]]] = defaultdict(list)
-    for index, current in enumerate(items):
-        for instance, heap in going.items():
-            while heap and heap[0][0] <= current.start:
-                heapq.heappop(heap)
-            if instance == current.instance:
-                continue
-            for _, _, earlier in sorted(heap, key=lambda entry: entry[1]):
-                problems.append((
-                    f"{earlier.describe()} and {current.describe()}: "
-                    f"{earlier.end - current.start:.3f}s of work by two instances at once",
-                    (earlier, current),
-                ))  # fmt: skip
-        heapq.heappush(going[current.instance], (current.end, index, current))
-    return problems
-
-
 def _regressions(items: list[EffectRun]) -> list[tuple[str, tuple[EffectRun, ...]]]:
     """In start order, a token never smaller than one already seen."""
     problems: list[tuple[str, tuple[EffectRun, ...]]] = []
@@ -194,7 +178,3 @@ def _regressions(items: list[EffectRun]) -> list[tuple[str, tuple[EffectRun, ...
         if highest is None or current.token > (highest.token or 0):
             highest = current
     return problems
-
-
-def _stamp(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch).strftime("%H:%M:%S.%f")

@@ -12,8 +12,10 @@ SQLite serialises every write transaction on the file, so an SQL probe there cou
 show an overlap; :func:`python_probe_env` runs a Python target instead, which records
 wall-clock intervals to a file outside any transaction (the probe of ``rig.effects``).
 
-:func:`assert_no_overlap` is the one checker every leadership test uses. It refuses data
-that proves nothing (too few ticks, too few instances).
+:func:`assert_no_overlap` is what every leadership test asks of its ticks: the one rule of
+``rig.overlap``, with every tick its own holder (a loop's ticks never intersect, one
+instance's included: that would be a re-entrant tick). It refuses data that proves nothing
+(too few ticks, too few instances).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 import asyncpg
 
+from rig.overlap import find_overlaps
 from rig.processes import DaemonProcess
 
 PROBE_TASK = "probe"
@@ -136,32 +139,31 @@ def instance_of(application_name: str) -> str:
 def assert_no_overlap(
     intervals: Iterable[Interval], *, min_ticks: int, min_instances: int = 1
 ) -> dict[str, dict[str, int]]:
-    """Fail if two intervals of one loop overlap, whoever ran them (the same instance
-    twice would be a re-entrant tick). Also fail on data that proves nothing: fewer than
-    `min_ticks` intervals or `min_instances` distinct instances in a loop, or no loop.
+    """Fail if two intervals of one loop intersect by the rule of ``rig.overlap``, whoever
+    ran them (the same instance twice would be a re-entrant tick). Also fail on data that
+    proves nothing: fewer than `min_ticks` intervals or `min_instances` distinct instances
+    in a loop, or no loop.
 
     Returns ``{loop: {instance: ticks}}`` for the caller to print or check further.
     """
-    by_loop: dict[str, list[Interval]] = defaultdict(list)
+    intervals = list(intervals)
+    assert intervals, "no intervals at all: the probe never ran, so nothing was checked"
+    problems = [
+        f"loop {o.scope}: {o.earlier.instance} ran [{stamp(o.earlier.start)}, "
+        f"{stamp(o.earlier.end)}] and {o.later.instance} started at {stamp(o.later.start)}, "
+        f"{o.earlier.end - o.later.start:.3f}s before that ended: "
+        + ("two leaders at once" if o.earlier.instance != o.later.instance
+           else "two ticks of one instance at once (a re-entrant tick)")
+        for o in find_overlaps(intervals, scope=lambda i: i.loop)
+    ]  # fmt: skip
+    assert not problems, "\n  ".join(["", *problems])
+    by_loop: dict[str, list[str]] = defaultdict(list)
     for interval in intervals:
-        assert interval.end >= interval.start, f"interval ends before it starts: {interval}"
-        by_loop[interval.loop].append(interval)
-    assert by_loop, "no intervals at all: the probe never ran, so nothing was checked"
-    summary: dict[str, dict[str, int]] = {}
-    for loop, items in by_loop.items():
-        items.sort(key=lambda i: (i.start, i.end))
-        latest = items[0]  # the interval reaching furthest so far
-        for current in items[1:]:
-            assert current.start >= latest.end, (
-                f"loop {loop}: {latest.instance} ran "
-                f"[{_stamp(latest.start)}, {_stamp(latest.end)}] and {current.instance} "
-                f"started at {_stamp(current.start)}, {latest.end - current.start:.3f}s "
-                "before that ended: two leaders at once"
-            )
-            if current.end > latest.end:
-                latest = current
-        summary[loop] = assert_enough(loop, [i.instance for i in items], min_ticks, min_instances)
-    return summary
+        by_loop[interval.loop].append(interval.instance)
+    return {
+        loop: assert_enough(loop, instances, min_ticks, min_instances)
+        for loop, instances in by_loop.items()
+    }
 
 
 def assert_enough(
@@ -181,7 +183,8 @@ def assert_enough(
     return dict(counts)
 
 
-def _stamp(epoch: float) -> str:
+def stamp(epoch: float) -> str:
+    """Seconds since the epoch as local ``HH:MM:SS.ffffff``, for messages."""
     return datetime.fromtimestamp(epoch).strftime("%H:%M:%S.%f")
 
 
@@ -269,7 +272,7 @@ def wait_for_event(
             state = "exited" if exited else "still running"
             raise AssertionError(
                 f"{process.name} ({state}): no {event!r} {fields} after "
-                f"{_stamp(after)} within {timeout}s\n--- output tail ---\n{tail}"
+                f"{stamp(after)} within {timeout}s\n--- output tail ---\n{tail}"
             )
         time.sleep(0.02)
 
