@@ -184,8 +184,11 @@ class Workers:
     async def start(self) -> None:
         global _exit_hook_registered
         # '__main__' is multiprocessing's own default: a daemon started as a script has
-        # it imported once in the forkserver, rather than once per worker.
-        self._context.set_forkserver_preload(["__main__", worker_process.__name__, *self.preload])
+        # it imported once in the forkserver, rather than once per worker. The worker's
+        # side is what every worker imports (its entry point is found by name); this side
+        # too, for a worker whose main module is run again in it and imports it.
+        preload = ["__main__", worker_process.__name__, __name__, *self.preload]
+        self._context.set_forkserver_preload(preload)
         if not _exit_hook_registered:
             atexit.register(_kill_all_at_exit)
             _exit_hook_registered = True
