@@ -24,7 +24,7 @@ import pytest
 from rig.databases import PgServer, replace_host_port, run_sync
 from rig.pgbouncer import PgBouncer, find_pgbouncer
 from rig.pgcluster import PgCluster
-from rig.processes import DaemonProcess, Daemons, run_cli
+from rig.processes import DaemonProcess, Daemons, run_cli, start_replicas
 from rig.tcpproxy import TcpProxy
 from rig.ticks import (
     FAST_TIMINGS,
@@ -110,16 +110,6 @@ def next_leader(
     return result
 
 
-def start_replicas(
-    daemons: Daemons, envs: list[tuple[str, dict[str, str]]], args: tuple[str, ...] = PLUGIN_ONLY
-) -> list[DaemonProcess]:
-    """Start the first, wait until it leads, then the rest: the first is the leader."""
-    name, env = envs[0]
-    first = daemons.start(env, args, name=name)
-    first_leader([first])
-    return [first] + [daemons.start(env, args, name=name) for name, env in envs[1:]]
-
-
 async def kill_and_watch(
     dsn: str, key: int, old_pid: int, kill: Callable[[], None]
 ) -> tuple[float, float]:
@@ -147,7 +137,10 @@ def test_sigkill_of_the_leader_hands_the_lock_to_a_waiting_standby(
 ) -> None:
     run_sync(create_tick_log(pg_url))
     leader, *standbys = start_replicas(
-        daemons, [(n, pg_env(pg_url, n)) for n in ("k1", "k2", "k3")]
+        daemons,
+        [(n, pg_env(pg_url, n)) for n in ("k1", "k2", "k3")],
+        PLUGIN_ONLY,
+        leader_first=True,
     )
     standbys_waiting(pg_url, DEFAULT_PLUGIN_KEY, 2)
     old_backend = fetch(pg_url, LOCKS_SQL, DEFAULT_PLUGIN_KEY)[0]["pid"]
@@ -183,7 +176,7 @@ def test_sigterm_hands_over_at_once_and_leaves_no_lock_behind(
 ) -> None:
     run_sync(create_tick_log(pg_url))
     envs = [(n, pg_env(pg_url, n)) for n in ("g1", "g2", "g3")]
-    leader, *standbys = start_replicas(daemons, envs, args=("run",))
+    leader, *standbys = start_replicas(daemons, envs, leader_first=True)
     for loop in ("publish", "plugin"):
         leader.wait_for_log("leader.acquired", loop=loop)
     for key in (DEFAULT_PUBLISH_KEY, DEFAULT_PLUGIN_KEY):
@@ -236,7 +229,10 @@ def test_a_frozen_leader_is_evicted_and_its_work_in_flight_never_commits(
     run_sync(create_tick_log(pg_url))
     # Each run holds its transaction open for 0.3 s: the freeze lands inside one.
     leader, *standbys = start_replicas(
-        daemons, [(n, pg_env(pg_url, n, sleep=0.3)) for n in ("f1", "f2", "f3")]
+        daemons,
+        [(n, pg_env(pg_url, n, sleep=0.3)) for n in ("f1", "f2", "f3")],
+        PLUGIN_ONLY,
+        leader_first=True,
     )
     standbys_waiting(pg_url, DEFAULT_PLUGIN_KEY, 2)
     time.sleep(1.5)
@@ -410,6 +406,8 @@ def test_a_leader_cut_off_silently_steps_down_and_a_standby_takes_over(
     leader, *standbys = start_replicas(
         daemons,
         [("c1", pg_env(via_proxy, "c1"))] + [(n, pg_env(pg_url, n)) for n in ("c2", "c3")],
+        PLUGIN_ONLY,
+        leader_first=True,
     )
     standbys_waiting(pg_url, DEFAULT_PLUGIN_KEY, 2)
     time.sleep(1.5)
@@ -442,10 +440,11 @@ def test_sqlite_holder_killed_the_kernel_frees_its_flock(
     probe_log = tmp_path / "probe.jsonl"
     env = {"SCHEDULER_DATABASE_URL": sqlite_url, **python_probe_env(probe_log)}
     leader, *standbys = start_replicas(
-        daemons, [(n, {**env, "SCHEDULER_INSTANCE_ID": n}) for n in ("q1", "q2", "q3")]
+        daemons,
+        [(n, {**env, "SCHEDULER_INSTANCE_ID": n}) for n in ("q1", "q2", "q3")],
+        PLUGIN_ONLY,
+        leader_first=True,
     )
-    for standby in standbys:
-        standby.wait_for_log("leader.waiting", loop="plugin")
     time.sleep(1.5)
     killed_at = time.time()
     leader.signal(signal.SIGKILL)

@@ -36,7 +36,7 @@ from rig.effects import EFFECTS_TARGETS, EffectRun, check_effects, effects_env, 
 from rig.netns import Namespaces, NetEvent
 from rig.pgcluster import PgCluster, find_pg_bindir
 from rig.plugin import ci_is_set
-from rig.processes import CLI, DaemonProcess, Daemons, daemon_env
+from rig.processes import DaemonProcess, Daemons, daemon_env, start_replicas
 from rig.sql import LOCK_HOLDERS
 from rig.ticks import (
     FAST_TIMINGS,
@@ -416,7 +416,7 @@ class Replicas:
     at: int  # the leader's namespace
 
 
-def start_replicas(
+def start_in_namespaces(
     daemons: Daemons,
     net: Namespaces,
     url: str,
@@ -425,20 +425,21 @@ def start_replicas(
     timings: Mapping[str, str] = FAST_TIMINGS,
     tasks: list[dict[str, str]] | None = None,
 ) -> Replicas:
-    """One replica per name, replica n in namespace n, all started at once; returns once
-    one leads the plugin loop and the others wait."""
-    processes = []
-    for name in names:
-        n = net.add()
-        env = replica_env(net.dsn(n, url), name, log, timings, tasks or effects_tasks())
-        processes.append(daemons.spawn(net.argv(n, [*CLI, *PLUGIN_ONLY]), daemon_env(env), name))
+    """One replica per name, each in a namespace of its own, all started at once; returns
+    once one leads the plugin loop and the others wait."""
+    spaces = [net.add() for _ in names]
+    envs = [
+        (name, replica_env(net.dsn(n, url), name, log, timings, tasks or effects_tasks()))
+        for name, n in zip(names, spaces, strict=True)
+    ]
+    processes = start_replicas(
+        daemons, envs, PLUGIN_ONLY, wrap=lambda index, argv: net.argv(spaces[index], argv)
+    )
     leader = first_leader(processes)
     standbys = [process for process in processes if process is not leader]
-    for standby in standbys:
-        standby.wait_for_log("leader.waiting", loop="plugin")
     # The pid a test signals is the daemon's own: the daemon wrote it into scheduler_leaders.
     assert _leader_row(url) == (leader.name, leader.pid)
-    return Replicas(leader, standbys, processes.index(leader))
+    return Replicas(leader, standbys, spaces[processes.index(leader)])
 
 
 def runs_of(log: Path, instance: str) -> list[EffectRun]:
@@ -577,7 +578,7 @@ def test_a_partitioned_leader_stops_before_the_server_frees_its_lock(
     back as a standby and stays one (docs/leadership.md: step down, back off, compete
     again as a standby)."""
     log = tmp_path / "effects.jsonl"
-    replicas = start_replicas(daemons, net, host_url, ["p0", "p1", "p2"], log, timings)
+    replicas = start_in_namespaces(daemons, net, host_url, ["p0", "p1", "p2"], log, timings)
     leader, standbys, old = replicas.leader, replicas.standbys, replicas.leader.name
     backend = lock_backend(host_url, old)
     wait_until(lambda: _mid_run(log, old), 20, f"{old} in the middle of an async and a sync run")
@@ -628,7 +629,9 @@ def test_a_leader_cut_off_mid_statement_loses_its_lock_by_the_connection_check(
     the session; the statement's transaction never commits."""
     log = tmp_path / "effects.jsonl"
     tasks = [{"name": "long", "every": "1s", "timeout": "120s", "sql": "SELECT pg_sleep(60)"}]
-    replicas = start_replicas(daemons, net, host_url, ["m0", "m1"], log, KEEPALIVE_TIMINGS, tasks)
+    replicas = start_in_namespaces(
+        daemons, net, host_url, ["m0", "m1"], log, KEEPALIVE_TIMINGS, tasks
+    )
     old = replicas.leader.name
     backend = lock_backend(host_url, old)
     wait_until(lambda: _query(host_url, "SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND "
@@ -673,7 +676,7 @@ def test_a_slow_lossy_link_leads_or_hands_over_without_overlap(
     product's 2 s it keeps leading, slowly. Either way no two instances work at once,
     nobody exits, and the work goes on once the link is healthy again."""
     log = tmp_path / "effects.jsonl"
-    replicas = start_replicas(daemons, net, host_url, ["b0", "b1"], log, timings)
+    replicas = start_in_namespaces(daemons, net, host_url, ["b0", "b1"], log, timings)
     leader, (standby,) = replicas.leader, replicas.standbys
     wait_until(lambda: _mid_run(log, leader.name), 20, "the leader in the middle of two runs")
     bad = net.impair(replicas.at, delay_ms=200, jitter_ms=20, loss_pct=5)

@@ -27,7 +27,7 @@ from rig.databases import (
 from rig.overlap import find_overlaps
 from rig.pgcluster import PgCluster
 from rig.plugin import ci_is_set
-from rig.processes import Daemons, daemon_env, run_cli
+from rig.processes import Daemons, daemon_env, run_cli, start_replicas
 from rig.tcpproxy import TcpProxy
 
 # How a session that the server ended looks to asyncpg depends on whether the server's
@@ -275,6 +275,7 @@ def test_daemon_env_drops_our_scheduler_settings(monkeypatch: pytest.MonkeyPatch
 def test_wait_for_log_matches_event_and_fields(daemons: Daemons) -> None:
     process = daemons.spawn(_CHATTY, daemon_env({}))
     assert process.wait_for_log("tick", timeout=10, n=2) == {"event": "tick", "n": 2}
+    assert process.wait_for_log(("tock", "tick"), timeout=10) == {"event": "tick", "n": 1}
     assert [e["n"] for e in process.log_events()] == [1, 2]
     process.signal(signal.SIGTERM)
     assert process.wait(5) == -signal.SIGTERM
@@ -316,6 +317,23 @@ def test_run_cli_reaches_the_cli() -> None:
     result = run_cli(["--help"], timeout=30)
     assert result.returncode == 0, result.stderr
     assert "migrate" in result.stdout
+
+
+def test_start_replicas_leader_first_then_standbys_placed(
+    daemons: Daemons, sqlite_url: str
+) -> None:
+    env = {"SCHEDULER_DATABASE_URL": sqlite_url}
+    envs = [(name, {**env, "SCHEDULER_INSTANCE_ID": name}) for name in ("one", "two", "three")]
+    leader, *standbys = start_replicas(
+        daemons, envs, ("run", "--only", "plugin"), leader_first=True
+    )
+    assert [p.name for p in (leader, *standbys)] == ["one", "two", "three"]
+    assert leader.wait_for_log("leader.acquired", timeout=0, loop="plugin")
+    for standby in standbys:  # placed when it returned: no waiting here
+        assert standby.wait_for_log("leader.waiting", timeout=0, loop="plugin")
+    for process in (leader, *standbys):
+        process.signal(signal.SIGTERM)
+        assert process.wait(20) == 0
 
 
 # -- the one overlap rule -----------------------------------------------------------

@@ -21,9 +21,9 @@ import pytest
 from aiohttp import web
 from pydantic import SecretStr
 from rig.overlap import find_overlaps
-from rig.processes import DaemonProcess, Daemons
+from rig.processes import DaemonProcess, Daemons, start_replicas
 from rig.sql import afetch
-from rig.ticks import FAST_TIMINGS
+from rig.ticks import FAST_TIMINGS, stop_all
 from rig.waiting import until
 
 from scheduler_daemon.config import DEFAULT_PUBLISH_KEY, WebhookPublisherSettings
@@ -403,24 +403,19 @@ def hook_env(url: str, hook: Hook, replica: str, **extra: str) -> dict[str, str]
     }
 
 
-async def start_replicas(
+async def hook_replicas(
     daemons: Daemons, url: str, hook: Hook, count: int, **extra: str
 ) -> list[DaemonProcess]:
-    replicas = [
-        daemons.start(hook_env(url, hook, f"r{n}", **extra), PUBLISH_ONLY, f"r{n}")
-        for n in range(1, count + 1)
-    ]
-    for replica in replicas:  # all of them compete before anything is due
-        await asyncio.to_thread(replica.wait_for_log, "loop.started", 30, loop="publish")
-    return replicas
+    """`count` publishing replicas r1.. sending to `hook`, all of them competing (their
+    publish loop started) before anything is due."""
+    envs = [(f"r{n}", hook_env(url, hook, f"r{n}", **extra)) for n in range(1, count + 1)]
+    return await asyncio.to_thread(
+        start_replicas, daemons, envs, PUBLISH_ONLY, loop="publish", ready="loop.started"
+    )
 
 
 async def stop_replicas(replicas: list[DaemonProcess]) -> None:
-    running = [p for p in replicas if p.poll() is None]
-    for process in running:
-        process.signal(signal.SIGTERM)
-    for process in running:
-        assert await asyncio.to_thread(process.wait, 30) == 0, process.output()[-3000:]
+    await asyncio.to_thread(stop_all, replicas)
 
 
 async def schedule_due(url: str, count: int, spread: float = 0.0) -> list[int]:
@@ -527,7 +522,7 @@ async def test_transaction_mode_posts_each_attempt_once_cluster_wide(
     races for each attempt) and rows published during the run."""
     hook = await hook_server(0.05, lambda call: 500)
     ids = await left_pending(pg_url, 3, due_in=4.0)
-    processes = await start_replicas(
+    processes = await hook_replicas(
         daemons, pg_url, hook, replicas, SCHEDULER_LOCK__MODE="transaction"
     )
     margin = await seconds_until_due(pg_url)
@@ -562,7 +557,7 @@ async def test_transaction_mode_delivers_each_publication_once(
     """A succeeding endpoint: one POST per publication, attempt 1, delivered."""
     hook = await hook_server(0.05, lambda call: 204)
     ids = await left_pending(pg_url, 3, due_in=4.0)
-    processes = await start_replicas(
+    processes = await hook_replicas(
         daemons, pg_url, hook, replicas, SCHEDULER_LOCK__MODE="transaction"
     )
     margin = await seconds_until_due(pg_url)
@@ -595,7 +590,7 @@ async def test_transaction_mode_webhook_work_never_overlaps_across_replicas(
     winner's own wake-up) and from retry timers (every replica's), and still no request
     of one replica is at the endpoint while another's is."""
     hook = await hook_server(0.05, lambda call: 500 if call.attempt == 1 else 200)
-    processes = await start_replicas(daemons, pg_url, hook, 3, SCHEDULER_LOCK__MODE="transaction")
+    processes = await hook_replicas(daemons, pg_url, hook, 3, SCHEDULER_LOCK__MODE="transaction")
     ids = await schedule_due(pg_url, 20, spread=0.2)
     outbox = await outbox_settled(pg_url, ids, within=60)
     await asyncio.sleep(1.0)
@@ -697,7 +692,7 @@ async def test_transaction_mode_a_lost_round_stops_its_posts_before_anyone_else_
     before its own POSTs. No two replicas' requests are ever at the endpoint at once."""
     hook = await hook_server(4.0, lambda call: 200)
     extra = {"SCHEDULER_LOCK__MODE": "transaction", "SCHEDULER_PUBLISH__WEBHOOK__TIMEOUT": "20s"}
-    processes = await start_replicas(daemons, pg_url, hook, 2, **extra)
+    processes = await hook_replicas(daemons, pg_url, hook, 2, **extra)
     ids = await schedule_due(pg_url, 3)
     deadline = time.monotonic() + 30
     while not hook.calls:

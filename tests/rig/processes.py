@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -108,13 +108,17 @@ class DaemonProcess:
         """Every JSON log line written to stderr so far, parsed."""
         return self._log.read()
 
-    def wait_for_log(self, event: str, timeout: float = 30.0, **fields: Any) -> dict[str, Any]:
-        """The first log line whose ``event`` is `event` and whose `fields` match.
+    def wait_for_log(
+        self, event: str | Collection[str], timeout: float = 30.0, **fields: Any
+    ) -> dict[str, Any]:
+        """The first log line whose ``event`` is `event` (or one of them) and whose
+        `fields` match.
 
         Polls until it appears; fails the test at `timeout`, or as soon as the process
         has exited without writing it. Blocking: from an async test, use
         ``await asyncio.to_thread(daemon.wait_for_log, ...)``.
         """
+        wanted_events = {event} if isinstance(event, str) else set(event)
         deadline = time.monotonic() + timeout
         checked = 0
         while True:
@@ -122,7 +126,7 @@ class DaemonProcess:
             exited = self.poll() is not None
             events = self.log_events()
             for entry in events[checked:]:
-                if entry.get("event") == event and all(
+                if entry.get("event") in wanted_events and all(
                     entry.get(key) == value for key, value in fields.items()
                 ):
                     return entry
@@ -215,6 +219,39 @@ class Daemons:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def start_replicas(
+    daemons: Daemons,
+    envs: Sequence[tuple[str, Mapping[str, str]]],
+    args: Sequence[str] = ("run",),
+    *,
+    loop: str = "plugin",
+    ready: str | Collection[str] = ("leader.acquired", "leader.waiting"),
+    leader_first: bool = False,
+    wrap: Callable[[int, list[str]], Sequence[str]] | None = None,
+    timeout: float = 30.0,
+) -> list[DaemonProcess]:
+    """Start one replica per ``(name, env)`` of `envs`, each running ``scheduler-daemon
+    ARGS``, and return them in that order once every one has logged a `ready` event for
+    `loop` (by default: it leads, or it waits as a standby).
+
+    `leader_first`: start the first alone and wait until it logs ``leader.acquired`` for
+    `loop` before starting the others, so that the first one returned is the leader.
+    `wrap(n, argv)`: the command line that replica n really runs (inside network
+    namespace n, say), started with `daemon_env` like any other.
+    """
+    started: list[DaemonProcess] = []
+    for n, (name, env) in enumerate(envs):
+        if wrap is None:
+            started.append(daemons.start(env, args, name=name))
+        else:
+            started.append(daemons.spawn(wrap(n, [*CLI, *args]), daemon_env(env), name))
+        if leader_first and n == 0:
+            started[0].wait_for_log("leader.acquired", timeout, loop=loop)
+    for process in started:
+        process.wait_for_log(ready, timeout, loop=loop)
+    return started
 
 
 class _JsonLines:
