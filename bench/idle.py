@@ -15,7 +15,7 @@ taken with ``git archive`` and run from its own copy (PYTHONPATH), on a database
 migrates itself; "before quiet proofs" the same for ``BEFORE_QUIET`` (the last before a
 leader with no work running proved only every ``lock.quiet_proof_interval``). The heartbeat rows are the trade-off the issue asks for: each
 ``lock.heartbeat_interval`` with what it means for detection, from the timing arithmetic
-config.py checks (step-down, work stopped, the earliest the server frees a cut-off
+config/timing.py checks (step-down, work stopped, the earliest the server frees a cut-off
 leader's lock, stall eviction).
 
     python -m bench.idle [--quick] [--out DIR]
@@ -49,7 +49,7 @@ from bench.common import (
     start_daemon,
 )
 from bench.peers import ServerLog, account_log, cpu_seconds, find_log, memory_mb, tree
-from scheduler_daemon.config import LockSettings
+from scheduler_daemon.config.timing import LockSettings
 
 BEFORE = "3d01da6"  # the last commit before the idle-cost work
 BEFORE_QUIET = "7f451d9"  # the last commit before quiet leaders' proofs (issue 20 item 10)
@@ -242,7 +242,7 @@ def report(results: dict[str, Any]) -> str:
     lines += [
         "",
         "Heartbeat interval against detection (session mode; the other lock settings at "
-        "their defaults, as config.py checks them) and idle cost:",
+        "their defaults, as config/timing.py checks them) and idle cost:",
         "",
         "| heartbeat | transactions/s, both loops | a working leader steps down within | its work stopped within | a leader with no work running proves every | and learns of a cut within | server frees a cut-off leader's lock after | a frozen leader is evicted after |",
         "|---|---|---|---|---|---|---|---|",

@@ -31,7 +31,7 @@ from bench.common import (
     stop_daemon,
 )
 from scheduler_daemon.client import Client
-from scheduler_daemon.config import Settings
+from scheduler_daemon.config.settings import Settings
 
 INTERVAL = "30s"
 LEADS = {"1 s ahead": 1.0, "due at once": 0.0}

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from pydantic import ValidationError
 
-from .config import MAX_TASK_NAME_LENGTH, PluginTaskSettings, PublishSettings, Settings
+from .config.settings import MAX_TASK_NAME_LENGTH, PluginTaskSettings, PublishSettings, Settings
 from .db import (
     AddedSchedule,
     Publication,

@@ -28,7 +28,7 @@ from typing import Any, Literal, TypeVar
 
 from . import db
 from .aio import unless_set
-from .config import Settings
+from .config.settings import Settings
 from .db.connect import connect, within_startup_budget
 from .db.listen import Listener
 from .errors import EXIT_OK, EXIT_SOFTWARE, ConfigError, SchedulerError, describe

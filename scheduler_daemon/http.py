@@ -45,7 +45,7 @@ from typing import Any, Self
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
-from .config import Settings
+from .config.settings import Settings
 from .dashboard import Dashboard
 from .db.base import Store
 from .db.sqlfiles import migrations

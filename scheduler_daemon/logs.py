@@ -18,7 +18,7 @@ from typing import Any, TextIO, cast
 import structlog
 from structlog.typing import EventDict, FilteringBoundLogger, Processor, WrappedLogger
 
-from .config import LogSettings
+from .config.settings import LogSettings
 from .errors import describe
 from .redact import redact
 

@@ -17,7 +17,7 @@ import fcntl
 import os
 from typing import TYPE_CHECKING, Any
 
-from .config import Settings
+from .config.settings import Settings
 from .db.base import Store
 from .db.sqlfiles import migrations, queries
 from .leadership.sqlite_flock import lock_path

@@ -23,8 +23,8 @@ from rig.databases import PgServer, replace_dbname, run_sync
 from rig.pgcluster import PgCluster
 from rig.processes import DaemonProcess, Daemons, run_cli
 
-from scheduler_daemon.cli import handles_errors
-from scheduler_daemon.config import Settings
+from scheduler_daemon.cli.common import handles_errors
+from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.db.connect import (
     explain_database_error,
     is_login_refused,

@@ -16,20 +16,16 @@ from pydantic import SecretStr, ValidationError
 from rig.processes import run_cli
 from rig.ticks import FAST_TIMINGS
 
-from scheduler_daemon.config import (
+from scheduler_daemon.config import load_settings
+from scheduler_daemon.config.explain import (
     OTHER_ENV,
     OTHER_ENV_PREFIXES,
-    TIMING_MARGIN,
-    LogSettings,
-    Settings,
     _describe,
-    earliest_lock_release,
-    load_settings,
-    lock_key_from_name,
-    parse_duration,
-    parse_lock_key,
     setting_variables,
 )
+from scheduler_daemon.config.settings import LogSettings, Settings
+from scheduler_daemon.config.timing import TIMING_MARGIN, earliest_lock_release
+from scheduler_daemon.config.values import lock_key_from_name, parse_duration, parse_lock_key
 from scheduler_daemon.db.url import DatabaseUrl, postgres_ports
 from scheduler_daemon.errors import ConfigError
 from scheduler_daemon.leadership.postgres_session import session_keepalive_settings

@@ -13,7 +13,7 @@ from aiohttp.test_utils import make_mocked_request
 from pydantic import ValidationError
 from rig.processes import Daemons
 
-from scheduler_daemon.config import DashboardSettings
+from scheduler_daemon.config.settings import DashboardSettings
 from scheduler_daemon.dashboard.auth import Credentials, read_password, same_origin
 from scheduler_daemon.dashboard.views import loopback_only
 from scheduler_daemon.errors import ConfigError

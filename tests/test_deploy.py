@@ -26,7 +26,8 @@ from rig.metricnames import daemon_metrics, exposed_name
 from rig.processes import CLI
 from rig.tools import find_tool
 
-from scheduler_daemon.config import Settings, parse_duration
+from scheduler_daemon.config.settings import Settings
+from scheduler_daemon.config.values import parse_duration
 from scheduler_daemon.daemon import EXIT_FORCED
 from scheduler_daemon.db.connect import open_store
 from scheduler_daemon.errors import (

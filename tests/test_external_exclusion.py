@@ -36,7 +36,7 @@ from rig.ticks import (
 )
 from rig.waiting import wait_until
 
-from scheduler_daemon.config import DEFAULT_PLUGIN_KEY
+from scheduler_daemon.config.values import DEFAULT_PLUGIN_KEY
 
 STALL_TIMEOUT = float(FAST_TIMINGS["SCHEDULER_LOCK__STALL_TIMEOUT"])
 STOP_GRACE = float(FAST_TIMINGS["SCHEDULER_LOCK__STOP_GRACE"])

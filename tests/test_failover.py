@@ -45,7 +45,7 @@ from rig.ticks import (
 )
 from rig.waiting import wait_until
 
-from scheduler_daemon.config import DEFAULT_PLUGIN_KEY, DEFAULT_PUBLISH_KEY
+from scheduler_daemon.config.values import DEFAULT_PLUGIN_KEY, DEFAULT_PUBLISH_KEY
 
 STALL_TIMEOUT = float(FAST_TIMINGS["SCHEDULER_LOCK__STALL_TIMEOUT"])
 HEARTBEAT = float(FAST_TIMINGS["SCHEDULER_LOCK__HEARTBEAT_INTERVAL"])

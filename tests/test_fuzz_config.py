@@ -40,12 +40,8 @@ from pydantic import SecretStr
 from rig.processes import DEFAULT_ENV, run_cli
 
 from scheduler_daemon.cli import cli
-from scheduler_daemon.config import (
-    OTHER_ENV,
-    PluginTaskSettings,
-    WebhookPublisherSettings,
-    setting_variables,
-)
+from scheduler_daemon.config.explain import OTHER_ENV, setting_variables
+from scheduler_daemon.config.settings import PluginTaskSettings, WebhookPublisherSettings
 from scheduler_daemon.logs import get_logger
 from scheduler_daemon.metrics import Metrics
 from scheduler_daemon.publishers.webhook import WebhookDeliverer

@@ -46,7 +46,8 @@ from rig.ticks import FAST_TIMINGS
 
 from scheduler_daemon.cli import cli
 from scheduler_daemon.client import MAX_KEY_LENGTH, MAX_PAYLOAD_DEPTH, Client
-from scheduler_daemon.config import Settings, load_settings
+from scheduler_daemon.config import load_settings
+from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.db.sqlfiles import migrations
 from scheduler_daemon.db.sqlite import from_db_time
 from scheduler_daemon.errors import InvalidInput, describe

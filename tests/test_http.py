@@ -28,7 +28,7 @@ from rig.pgcluster import PgCluster
 from rig.processes import DaemonProcess, Daemons, run_cli
 from structlog.testing import capture_logs
 
-from scheduler_daemon.config import Settings
+from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.daemon import Daemon
 from scheduler_daemon.db.connect import open_store
 from scheduler_daemon.db.sqlfiles import migrations

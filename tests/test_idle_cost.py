@@ -196,7 +196,7 @@ async def test_no_listen_connection_outlives_its_last_channel_dropped_while_it_o
     """A loop stops leading (unsubscribe), the daemon stops (close) or the subscribing loop
     is cancelled while the listener is still opening its connection for that loop: the
     connection it was opening is closed, not kept LISTENing for nobody."""
-    from scheduler_daemon.config import Settings
+    from scheduler_daemon.config.settings import Settings
     from scheduler_daemon.db.connect import open_store
     from scheduler_daemon.db.listen import Listener
     from scheduler_daemon.db.postgres import PostgresStore
@@ -263,7 +263,7 @@ async def test_session_mode_refuses_a_server_without_idle_session_timeout(
 ) -> None:
     """PostgreSQL 13 has no idle_session_timeout, which is what evicts a frozen leader:
     session mode exits 78 there, naming the version and the way out."""
-    from scheduler_daemon.config import Settings
+    from scheduler_daemon.config.settings import Settings
     from scheduler_daemon.daemon import Daemon
     from scheduler_daemon.db.postgres import PostgresStore
     from scheduler_daemon.errors import ConfigError

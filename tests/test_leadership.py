@@ -43,7 +43,11 @@ from rig.ticks import (
     wait_for_event,
 )
 
-from scheduler_daemon.config import DEFAULT_PLUGIN_KEY, DEFAULT_PUBLISH_KEY, lock_key_from_name
+from scheduler_daemon.config.values import (
+    DEFAULT_PLUGIN_KEY,
+    DEFAULT_PUBLISH_KEY,
+    lock_key_from_name,
+)
 
 
 async def lock_holders(dsn: str, key: int) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from scheduler_daemon.config import Settings
+from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.db.postgres import ask_between_statements
 from scheduler_daemon.leadership.base import LeadershipLost, LeaseState, heartbeat
 from scheduler_daemon.logs import get_logger

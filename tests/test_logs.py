@@ -24,7 +24,7 @@ from rig.processes import Daemons
 from rig.tcpproxy import TcpProxy
 from rig.ticks import create_tick_log, event_time, pg_env
 
-from scheduler_daemon.config import LogSettings
+from scheduler_daemon.config.settings import LogSettings
 from scheduler_daemon.logs import configure_logging, get_logger
 
 PASSWORD = "Hunter2-outage"

@@ -13,7 +13,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from scheduler_daemon.config import Settings
+from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.errors import EXIT_CONFIG, ConfigError, DatabaseUnavailable
 from scheduler_daemon.leadership.base import LeaseState, Stopping
 from scheduler_daemon.logs import get_logger

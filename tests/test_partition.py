@@ -49,7 +49,7 @@ from rig.ticks import (
 )
 from rig.waiting import wait_until
 
-from scheduler_daemon.config import DEFAULT_PLUGIN_KEY
+from scheduler_daemon.config.values import DEFAULT_PLUGIN_KEY
 
 pytestmark = pytest.mark.processes
 
@@ -375,7 +375,7 @@ def _datagrams_through(net: Namespaces, n: int, count: int) -> tuple[int, int]:
 
 # The test timings with stall_timeout raised, so that the server's idle timeout cannot be
 # what frees a cut-off leader's lock: keepalive / tcp_user_timeout must (>= 3 s after the
-# cut by config.py's formula: min(4, max(1, 4 - 1), 1 x 3)).
+# cut by config/timing.py's formula: min(4, max(1, 4 - 1), 1 x 3)).
 KEEPALIVE_TIMINGS = {**FAST_TIMINGS, "SCHEDULER_LOCK__STALL_TIMEOUT": "20"}
 # The product's own lock timings (heartbeat 2 s, keepalive 2/2/4, tcp_user_timeout 10 s,
 # stall_timeout 15 s): docs/leadership.md says the server frees the lock 8-10 s after the cut.

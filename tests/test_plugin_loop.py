@@ -33,7 +33,7 @@ from rig.sql import Db
 from rig.waiting import until
 from structlog.testing import capture_logs
 
-from scheduler_daemon.config import Settings
+from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.daemon import Daemon
 from scheduler_daemon.logs import get_logger
 from scheduler_daemon.plugins.schedule import Cron

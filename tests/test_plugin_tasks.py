@@ -18,7 +18,7 @@ import pytest
 from plugin_targets import TESTS_DIR
 from rig.processes import run_cli
 
-from scheduler_daemon.config import Settings
+from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.errors import ConfigError
 from scheduler_daemon.plugins.builtin import builtin_tasks
 from scheduler_daemon.plugins.tasks import load_tasks

@@ -25,7 +25,8 @@ import pytest
 from aiohttp import web
 from rig.ticks import FAST_TIMINGS
 
-from scheduler_daemon.config import LogSettings, Settings, load_settings, transaction_pool_users
+from scheduler_daemon.config import load_settings
+from scheduler_daemon.config.settings import LogSettings, Settings, transaction_pool_users
 from scheduler_daemon.errors import ConfigError
 from scheduler_daemon.logs import configure_logging
 

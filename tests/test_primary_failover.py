@@ -63,7 +63,7 @@ from rig.standby import Failover, ReplicatedCluster
 from rig.ticks import FAST_TIMINGS, RIG_APP, event_time
 from rig.waiting import wait_until
 
-from scheduler_daemon.config import Settings
+from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.leadership.base import settle_time
 from scheduler_daemon.leadership.postgres_session import wait_for_predecessor
 

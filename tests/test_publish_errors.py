@@ -25,7 +25,7 @@ from rig.processes import DaemonProcess, Daemons
 from rig.sql import fetch, scalar
 from test_publish import start
 
-from scheduler_daemon.config import Settings
+from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.db.connect import is_transient, is_transient_database_error
 from scheduler_daemon.leadership import LeadershipLost
 from scheduler_daemon.logs import get_logger

@@ -35,7 +35,7 @@ from scheduler_daemon.client import (
     remove_schedule_in,
     validate_runtime_schedule,
 )
-from scheduler_daemon.config import MAX_TASK_NAME_LENGTH, PluginTaskSettings, Settings
+from scheduler_daemon.config.settings import MAX_TASK_NAME_LENGTH, PluginTaskSettings, Settings
 from scheduler_daemon.daemon import Daemon
 from scheduler_daemon.db.schedules import ScheduleStore
 from scheduler_daemon.db.url import DatabaseUrl

@@ -23,7 +23,7 @@ from scheduler_daemon.client import (
     ignored_changes,
     schedule_in,
 )
-from scheduler_daemon.config import Settings
+from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.errors import InvalidInput, NotFound
 
 pytestmark = pytest.mark.postgres

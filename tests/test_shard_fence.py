@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncpg
 import pytest
 
-from scheduler_daemon.config import MAX_SHARDS
+from scheduler_daemon.config.settings import MAX_SHARDS
 from scheduler_daemon.db.sqlfiles import queries
 from scheduler_daemon.leadership.shards import ShardKeys
 

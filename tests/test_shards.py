@@ -42,7 +42,7 @@ from rig.sql import fetch
 from rig.ticks import FAST_TIMINGS, PLUGIN_ONLY, event_time, stop_all, wait_for_event
 from rig.waiting import wait_until
 
-from scheduler_daemon.config import DEFAULT_PLUGIN_KEY
+from scheduler_daemon.config.values import DEFAULT_PLUGIN_KEY
 from scheduler_daemon.leadership.shards import ShardKeys
 
 pytestmark = [pytest.mark.postgres, pytest.mark.processes]

@@ -41,7 +41,7 @@ from rig.ticks import (
     wait_for_event,
 )
 
-from scheduler_daemon.config import Settings
+from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.db.sqlite import SqliteStore
 from scheduler_daemon.db.sqlite_file import (
     Mount,

@@ -16,7 +16,7 @@ from rig.databases import replace_host_port
 from rig.tcpproxy import TcpProxy
 
 from scheduler_daemon.client import Client
-from scheduler_daemon.config import Settings
+from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.db.connect import open_store
 from scheduler_daemon.db.sqlfiles import queries
 from scheduler_daemon.errors import InvalidInput, NotFound, SchemaMissing

@@ -9,7 +9,8 @@ import asyncio
 import asyncpg
 import pytest
 
-from scheduler_daemon.config import DEFAULT_PUBLISH_KEY, Settings
+from scheduler_daemon.config.settings import Settings
+from scheduler_daemon.config.values import DEFAULT_PUBLISH_KEY
 from scheduler_daemon.db.connect import open_store
 from scheduler_daemon.db.postgres import PgTx
 from scheduler_daemon.leadership import LeadershipLost, Lease, make_guard

@@ -26,7 +26,8 @@ from rig.sql import afetch
 from rig.ticks import FAST_TIMINGS, stop_all
 from rig.waiting import until
 
-from scheduler_daemon.config import DEFAULT_PUBLISH_KEY, WebhookPublisherSettings
+from scheduler_daemon.config.settings import WebhookPublisherSettings
+from scheduler_daemon.config.values import DEFAULT_PUBLISH_KEY
 from scheduler_daemon.leadership import LeadershipLost
 from scheduler_daemon.logs import get_logger
 from scheduler_daemon.metrics import Metrics

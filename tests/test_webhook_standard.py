@@ -24,7 +24,7 @@ from rig.sql import afetch
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from scheduler_daemon.client import Client
-from scheduler_daemon.config import Settings
+from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.publishers.webhook import (
     signature_headers,
     standard_signature,

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import structlog
 
-from scheduler_daemon.config import LogSettings
+from scheduler_daemon.config.settings import LogSettings
 from scheduler_daemon.plugins.context import TaskContext
 from scheduler_daemon.plugins.worker_process import WorkerJob
 from scheduler_daemon.plugins.workers import (
@@ -575,7 +575,7 @@ import sys
 from datetime import UTC, datetime
 
 import test_worker
-from scheduler_daemon.config import LogSettings
+from scheduler_daemon.config.settings import LogSettings
 from scheduler_daemon.plugins.worker_process import WorkerJob
 from scheduler_daemon.plugins.workers import Workers
 

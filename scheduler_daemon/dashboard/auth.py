@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from ..config import DashboardSettings
+from ..config.settings import DashboardSettings
 from ..errors import ConfigError
 
 CSRF_LIFETIME = 12 * 3600.0  # seconds a form stays usable

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..db.base import Publication, PublicationStats, ScheduleRecord, Store
 from ..db.schedules import ScheduleStore, schedule_record
 from ..status import collect_status

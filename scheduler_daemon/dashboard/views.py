@@ -27,7 +27,7 @@ from aiohttp_sse import sse_response
 from markupsafe import Markup
 
 from ..aio import wait_any
-from ..config import Settings
+from ..config.settings import Settings
 from ..db.base import Store
 from ..errors import InvalidInput, NotFound, describe
 from ..logs import Logger

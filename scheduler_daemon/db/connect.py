@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Literal, TypeVar
 from urllib.parse import urlsplit
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..errors import (
     DatabaseBusy,
     DatabaseFailed,

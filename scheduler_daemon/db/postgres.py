@@ -20,7 +20,7 @@ from typing import Any, Final
 
 import asyncpg
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..errors import PrivilegeRefused, explain_timeouts
 from ..redact import redact
 from .base import (

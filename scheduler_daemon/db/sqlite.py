@@ -26,7 +26,7 @@ from urllib.parse import quote
 
 import aiosqlite
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..errors import ConfigError, SchemaMissing
 from .base import (
     AppliedMigration,

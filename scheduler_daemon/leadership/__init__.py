@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..db.base import Store
 from ..logs import Logger
 from ..metrics import Metrics
@@ -61,7 +61,7 @@ def make_guard(
         from .postgres_transaction import TransactionGuard
 
         return TransactionGuard(loop, key, store, settings, log, metrics, stop, schema)
-    if loop == "plugin" and settings.plugin.shards > 1:  # config.py: session mode only
+    if loop == "plugin" and settings.plugin.shards > 1:  # config/settings.py: session mode only
         from .shards import ShardedSessionGuard
 
         return ShardedSessionGuard(

@@ -31,7 +31,7 @@ from types import TracebackType
 from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
 from ..aio import wait_any
-from ..config import Settings
+from ..config.settings import Settings
 from ..db.base import Tx
 from ..errors import EXIT_SOFTWARE, describe
 from ..logs import Logger

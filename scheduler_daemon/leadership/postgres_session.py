@@ -18,7 +18,7 @@ A leader frozen (SIGSTOP, a blocked event loop, a stuck host) keeps its TCP sess
 nothing else would ever free its lock; a live leader talks on it at least every
 ``heartbeat_interval`` while work runs (``quiet_proof_interval``, a third of
 ``stall_timeout`` at most, while none does), and gives up by itself long before (the timing arithmetic in
-config.py). No replica has to poll for stalled leaders.
+config/timing.py). No replica has to poll for stalled leaders.
 
 While leading, a heartbeat proves every ``heartbeat_interval``, on the lock connection,
 that the database still sees this session holding the key (one read-only statement; a
@@ -47,7 +47,8 @@ from typing import Any
 import asyncpg
 
 from ..aio import wait_any
-from ..config import LockSettings, Settings
+from ..config.settings import Settings
+from ..config.timing import LockSettings
 from ..db.postgres import (
     FENCED_ISOLATION,
     PgTx,
@@ -68,7 +69,7 @@ QUERIES = queries("postgres")
 def session_keepalive_settings(settings: Settings) -> dict[str, str]:
     """Per-session TCP settings, so the server drops a vanished leader in bounded time.
 
-    Exactly the values config.py checked the step-down arithmetic on (whole seconds,
+    Exactly the values config/timing.py checked the step-down arithmetic on (whole seconds,
     tcp_user_timeout in whole milliseconds): nothing is rounded here.
     """
     return {name: str(value) for name, value in settings.lock.server_tcp_settings().items()}
@@ -335,7 +336,7 @@ class SessionGuard(GuardBase[PostgresStore]):
         ``client_connection_check_interval``: a leader killed mid-statement is noticed at
         once, not when the statement ends (holding the lock until then). The idle
         timeouts are the stall eviction: a session that sends nothing for
-        ``stall_timeout`` (whole milliseconds, as config.py checked) is ended by the server,
+        ``stall_timeout`` (whole milliseconds, as config/timing.py checked) is ended by the server,
         freeing its lock. Set before the wait, so that a standby frozen just as it is
         granted the lock is covered too; a waiting statement is not idle."""
         stall_ms = round(self.lock.stall_timeout * 1000)
@@ -471,7 +472,7 @@ class SessionGuard(GuardBase[PostgresStore]):
         # Not graceful (lost, cancelled mid-tick, release failed): closing the socket
         # ends the session, which frees the lock and aborts any open transaction. Where
         # the server cannot hear us, keepalive / tcp_user_timeout end it later — after our
-        # work stopped, which is what the timing arithmetic in config.py guarantees.
+        # work stopped, which is what the timing arithmetic in config/timing.py guarantees.
         lease.conn.terminate()
         if not lease.lost.is_set():
             self.metrics.leadership_changes.labels(self.loop, "stepped_down").inc()

@@ -45,7 +45,7 @@ from pathlib import Path
 import aiosqlite
 
 from ..aio import wait_any
-from ..config import Settings
+from ..config.settings import Settings
 from ..db.sqlfiles import queries
 from ..db.sqlite import SqliteStore, SqliteTx
 from ..db.sqlite_file import descriptor_identity, path_identity, real_path

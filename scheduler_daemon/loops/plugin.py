@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..db.base import Tx
 from ..db.plugin_store import Claim, Declaration, DueBatch, DueSchedule, PluginStore
 from ..errors import describe

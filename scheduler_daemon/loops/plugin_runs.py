@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..db.plugin_store import FinishedSchedule, PluginStore, RunResult
 from ..errors import describe
 from ..leadership import Lease, PendingHold

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..db.base import Store, Tx
 from ..db.connect import is_transient_database_error
 from ..errors import describe

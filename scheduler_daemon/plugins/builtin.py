@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import Settings
+from ..config.settings import Settings
 from .context import TaskContext
 
 PURGE_BATCH = 1000

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from ..config import MAX_DURATION, PluginTaskSettings, Settings
+from ..config.settings import PluginTaskSettings, Settings
+from ..config.values import MAX_DURATION
 from ..errors import ConfigError
 from .schedule import Cron, Every, Misfire, Schedule, check_timezone, with_jitter
 from .workers import check_picklable

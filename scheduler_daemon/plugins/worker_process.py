@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from ..config import LogSettings
+from ..config.settings import LogSettings
 from ..errors import describe
 from ..logs import configure_logging, get_logger
 from .context import TaskContext

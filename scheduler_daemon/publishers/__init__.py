@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib.metadata import entry_points
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..errors import ConfigError
 from .base import Published, Publisher
 from .notify import NotifyPublisher

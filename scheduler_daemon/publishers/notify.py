@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from ..config import NotifyPublisherSettings
+from ..config.settings import NotifyPublisherSettings
 from ..db.base import Tx
 from .base import Published
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..config import SqlPublisherSettings
+from ..config.settings import SqlPublisherSettings
 from ..db.base import Tx
 from .base import Published
 

@@ -42,7 +42,7 @@ import yarl
 
 from .. import __version__
 from ..aio import unless_set, wait_any
-from ..config import WebhookPublisherSettings
+from ..config.settings import WebhookPublisherSettings
 from ..db.base import Tx
 from ..db.connect import Backoff
 from ..errors import ConfigError, describe
