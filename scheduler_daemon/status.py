@@ -116,7 +116,7 @@ async def _postgres_loops(store: Store, settings: Settings) -> dict[str, dict[st
 
 async def _running_shards(store: PostgresStore, key: int) -> int | None:
     """The shard count the plugin loop's members run with (None: no member)."""
-    from .leadership.shards import ShardKeys
+    from .leadership.shard_keys import ShardKeys
 
     layouts = await store.pool.fetchrow(
         queries("postgres")["shard_layouts"], ShardKeys(key, 1).member_class, -1
@@ -127,7 +127,7 @@ async def _running_shards(store: PostgresStore, key: int) -> int | None:
 
 async def _shards(store: PostgresStore, key: int, count: int) -> dict[str, Any]:
     """A sharded loop: its members and who leads each shard, from the lock manager."""
-    from .leadership.shards import ShardKeys, member_name
+    from .leadership.shard_keys import ShardKeys, member_name
 
     keys = ShardKeys(key, count)
     q = queries("postgres")

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler_daemon.leadership.assignment import Member, assign
-from scheduler_daemon.leadership.shards import ShardKeys, member_name
+from scheduler_daemon.leadership.shard_keys import ShardKeys, member_name
 
 names = st.lists(
     st.text(alphabet="abcdefghij0123456789-", min_size=1, max_size=12), min_size=1, max_size=8

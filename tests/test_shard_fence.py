@@ -9,7 +9,7 @@ import pytest
 
 from scheduler_daemon.config.settings import MAX_SHARDS
 from scheduler_daemon.db.sqlfiles import queries
-from scheduler_daemon.leadership.shards import ShardKeys
+from scheduler_daemon.leadership.shard_keys import ShardKeys
 
 pytestmark = pytest.mark.postgres
 

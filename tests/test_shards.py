@@ -43,7 +43,7 @@ from rig.ticks import FAST_TIMINGS, PLUGIN_ONLY, event_time, stop_all, wait_for_
 from rig.waiting import wait_until
 
 from scheduler_daemon.config.values import DEFAULT_PLUGIN_KEY
-from scheduler_daemon.leadership.shards import ShardKeys
+from scheduler_daemon.leadership.shard_keys import ShardKeys
 
 pytestmark = [pytest.mark.postgres, pytest.mark.processes]
 

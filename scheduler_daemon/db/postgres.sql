@@ -897,3 +897,53 @@ UPDATE scheduler_publications SET status = 'scheduled', published_at = NULL,
        published_by = NULL
 WHERE id = :id AND status = 'failed'
 RETURNING *
+
+-- Sharded leadership's guard (leadership/shards.py): joining under the gate, leaving,
+-- telling the other members, and the watch. Keys as in the blocks above: the shard and
+-- member classes and an objid as int4, the loop's own key as bigint.
+
+-- name: shard_join_gate
+-- Held by a joining member until its join transaction ends ($1 the shard class, $2 the
+-- gate's key in it, above every shard): members join one at a time, so two of them cannot
+-- both find no other shard count (shard_layouts) and join with different ones.
+SELECT pg_advisory_xact_lock($1, $2)
+
+-- name: shard_join_share
+-- Members hold the loop's own key ($1) shared; a replica that leads the loop unsharded
+-- holds it exclusively. False while one leads it (or waits for it): no joining then.
+SELECT pg_try_advisory_lock_shared($1)
+
+-- name: shard_join_pid
+-- The lock session's backend pid, which the key of its member lock carries.
+SELECT pg_backend_pid()
+
+-- name: shard_join_member
+-- The member lock ($1 the member class, $2 the objid as int4). False only while a watch
+-- holds it: granted the lock of a dead member whose pid the server has since given to
+-- this session.
+SELECT pg_try_advisory_lock($1, $2)
+
+-- name: shard_join_unshare
+-- No member lock to be had (shard_join_member): the shared hold on the loop's key ($1)
+-- goes until the next try.
+SELECT pg_advisory_unlock_shared($1)
+
+-- name: shard_leave
+-- A graceful leave, after shard_leaders_release: every lock of the session (the member
+-- lock, its shards, the loop's key shared) goes at once.
+SELECT pg_advisory_unlock_all()
+
+-- name: shard_notify
+-- Tell the other members to look again: $1 the channel (scheduler_shards_changed), $2
+-- why (member_joined, member_left, member_gone, shard_released), for their logs.
+SELECT pg_notify($1, $2)
+
+-- name: shard_watch_untimed
+-- On the watch's own connection, before shard_watch: its wait lasts as long as the member
+-- it watches lives.
+SET statement_timeout = 0
+
+-- name: shard_watch
+-- Wait for the next member's lock ($1 the member class, $2 its objid as int4): granted the
+-- moment that member's session ends.
+SELECT pg_advisory_lock($1, $2)

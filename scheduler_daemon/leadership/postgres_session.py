@@ -358,7 +358,7 @@ class SessionGuard(GuardBase[PostgresStore]):
         """Leaders of the plugin loop's shards that did not hand over (it ran sharded
         until now: a rolling change of plugin.shards) may still be stopping runs of
         schedules this leader now runs: wait for them too, then forget them."""
-        from .shards import ShardKeys
+        from .shard_keys import ShardKeys
 
         me = (self.settings.instance_id, os.getpid())
         stale = [

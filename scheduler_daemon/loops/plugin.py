@@ -56,7 +56,7 @@ from .plugin_runs import Clock, PluginRuns, Start
 
 if TYPE_CHECKING:
     from ..db.listen import Listener
-    from ..leadership.shards import MemberLease, ShardLease
+    from ..leadership.shard_lease import MemberLease, ShardLease
 
 ABANDONED = "abandoned: the replica running it lost the lock before it finished"
 # Sent by the scheduler_plugin_tasks triggers (migrations 0004, 0006) when a schedule

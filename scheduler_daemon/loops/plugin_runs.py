@@ -47,7 +47,7 @@ from ..plugins.workers import WorkerFailed, Workers
 from .results import SharedResults
 
 if TYPE_CHECKING:
-    from ..leadership.shards import ShardLease
+    from ..leadership.shard_lease import ShardLease
 
 # Results of one batch wait at most this long to be written, or for this many to gather.
 RESULT_FLUSH_INTERVAL = 0.05

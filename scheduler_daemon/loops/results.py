@@ -24,7 +24,7 @@ from ..db.plugin_store import FinishedSchedule, PluginStore
 from ..leadership import LeadershipLost
 
 if TYPE_CHECKING:
-    from ..leadership.shards import ShardLease
+    from ..leadership.shard_lease import ShardLease
 
 T = TypeVar("T")
 

@@ -1,0 +1,253 @@
+"""The leases of sharded leadership: a replica's membership (``MemberLease``, on its lock
+session) and its leadership of each shard it holds (``ShardLease``).
+
+A member's ticks run under the ``MemberLease``, over its active shards; each shard's runs
+are that ``ShardLease``'s work, stopped when the shard is lost or handed over. Every
+fenced transaction of a member (``MemberLease.fenced``) checks, in its first statement,
+the member lock and each shard it is for, and holds all of them at transaction level (as
+session mode's ``fence_begin``); the heartbeat's answer (``observe``) and each fence say
+which shards are still held and whether the members changed. leadership/shards.py (the
+guard) joins, watches and leaves; leadership/shard_rebalance.py takes and hands over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ..db.base import ShardScope
+from ..db.postgres import FENCED_ISOLATION, PgTx, statement_locked_transaction
+from ..db.sqlfiles import queries
+from ..errors import describe
+from .assignment import Member
+from .base import LeadershipLost, LeaseState
+from .postgres_session import SessionLease
+from .shard_keys import ShardKeys
+
+if TYPE_CHECKING:
+    from ..metrics import Metrics
+
+QUERIES = queries("postgres")
+T = TypeVar("T")
+
+# Why a member looked again, as NOTIFY payloads and the `reason` of shard.acquired.
+REASONS = frozenset({"member_joined", "member_left", "member_gone", "shard_released"})
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """The members and the shards' holders, as the lock manager listed them."""
+
+    members: tuple[Member, ...]
+    holders: dict[int, int]  # shard -> backend pid
+
+
+class ShardLease(LeaseState):
+    """Leadership of one shard: its runs are its work, stopped when it is lost or handed
+    over; its fencing token is the shard's."""
+
+    def __init__(self, member: MemberLease, shard: int, token: int) -> None:
+        super().__init__(token, member.settings, member.log.bind(shard=shard), self._report)
+        self.member = member
+        self.shard = shard
+        self.acquired_at = time.monotonic()
+        self.draining = False  # being handed over: claim nothing more
+        self.unlocking = False  # its lock is being let go: the heartbeat must not judge it
+        self.needs_abandon = True  # runs its predecessor left `running` are closed first
+
+    def _report(self, reason: str, lock_may_be_free: bool) -> None:
+        self.member.shard_lost(self, reason, lock_may_be_free)
+
+    @property
+    def scope(self) -> ShardScope:
+        return ShardScope(self.member.keys.count, {self.shard: self.fencing_token})
+
+    def proven_recently(self) -> bool:
+        return not self.lost.is_set() and self.member.proven_recently()
+
+    def transaction(self, *, only_ours: bool = False) -> AbstractAsyncContextManager[PgTx]:
+        return self.member.fenced([self], only_ours=only_ours, require_all=True)
+
+    def spawn(
+        self, work: Coroutine[Any, Any, T], name: str, *, service: bool = False
+    ) -> asyncio.Task[T]:
+        task = super().spawn(work, name, service=service)
+        self.member.adopt(task)  # and the member's: its end stops everything
+        return task
+
+
+class MemberLease(SessionLease):
+    """A replica's membership of a sharded loop, on its lock session, and the shards it
+    leads. Ticks run under it, over its active shards; runs under their shard's lease."""
+
+    def __init__(self, *args: Any, keys: ShardKeys, metrics: Metrics, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.keys = keys
+        self.metrics = metrics
+        self.member_objid = keys.member_objid(self.backend_pid)
+        self.shards: dict[int, ShardLease] = {}
+        self.view: View | None = None
+        self.rebalance = asyncio.Event()  # look at the members again now
+        self.rebalance_reason: str | None = None  # what asked, when it says (the watch)
+        self.stopping_since: float | None = None  # when the daemon's stop reached it
+        self.view_changed = asyncio.Event()  # for the watch: its member may have changed
+        # The plugin loop's wake-up (it sets this on its first tick): a shard taken
+        # is claimed for at once, not at the loop's next planned tick.
+        self.wake_loop: Callable[[], None] = lambda: None
+        # The guard's hand-over of a shard (set by the guard once the lease exists).
+        self.hand_over: Callable[[ShardLease, str], Coroutine[Any, Any, None]] | None = None
+
+    def heard(self, payload: str) -> None:
+        """A NOTIFY from another member (or the listener reconnected: ``""``). Anyone who
+        may connect can send one: only our own reasons become a metric label."""
+        if payload in REASONS:
+            self.rebalance_reason = self.rebalance_reason or payload
+        self.rebalance.set()
+
+    def active_shards(self) -> list[ShardLease]:
+        """The shards a tick may claim for: held, not lost, not being handed over."""
+        return [s for s in self.shards.values() if not s.draining and not s.lost.is_set()]
+
+    def lose(self, reason: str, *, lock_may_be_free: bool) -> bool:
+        first = super().lose(reason, lock_may_be_free=lock_may_be_free)
+        for shard in list(self.shards.values()):
+            shard.lose(reason, lock_may_be_free=lock_may_be_free)
+        return first
+
+    def shard_lost(self, shard: ShardLease, reason: str, lock_may_be_free: bool) -> None:
+        if self.lost.is_set():
+            return  # the member's own loss is what gets reported
+        self.metrics.shard_changes.labels("plugin", "lost", "lost").inc()
+        shard.log.warning("shard.lost", reason=reason, lock_may_be_free=lock_may_be_free)
+        self.rebalance.set()
+        if not shard.draining and self.hand_over is not None:
+            # Stopped now, not when the rebalancer next gets round to it: its work must
+            # end (or the process exit) within stop_grace of this.
+            shard.draining = True
+            self.spawn(self.hand_over(shard, "lost"), name=f"shard:{shard.shard}:lost")
+
+    def transaction(  # type: ignore[override]  # a context manager, built another way
+        self, *, only_ours: bool = False
+    ) -> AbstractAsyncContextManager[PgTx]:
+        return self.fenced(self.active_shards(), only_ours=only_ours)
+
+    @asynccontextmanager
+    async def fenced(
+        self, shards: Sequence[ShardLease], *, only_ours: bool, require_all: bool = False
+    ) -> AsyncIterator[PgTx]:
+        """A transaction on the lock connection, fenced for ``shards`` (those of them the
+        session still holds: a shard found lost is lost from here on; ``require_all``: then
+        the transaction is refused). Its PgTx carries their scope, which the plugin
+        loop's statements keep to."""
+        async with self.transaction_lock:
+            self._closed_already()
+            if self.lost.is_set():
+                raise LeadershipLost(self.reason or "lost")
+            try:
+                async with statement_locked_transaction(
+                    self.conn, self.statement_lock, FENCED_ISOLATION
+                ):
+                    # User SQL may run (a task's, not only_ours): then every lock of the
+                    # member is held by the transaction, not just these shards' (SQL that
+                    # unlocks everything must not free the others for a moment either).
+                    asked = [s.shard for s in shards]
+                    if not only_ours:
+                        asked = sorted(s.shard for s in self.shards.values() if not s.unlocking)
+                    sent = time.monotonic()
+                    async with self.statement_lock:
+                        fence = await self.conn.fetchrow(
+                            QUERIES["shard_fence_begin"], self.keys.member_class, self.member_objid,
+                            self.keys.shard_class, asked, self.key,
+                        )  # fmt: skip
+                    if not fence["member"]:
+                        self._fence_broken("the lock connection is no longer a member")
+                    self.last_proven = sent
+                    self.schema.check(fence["schema_version"], self.log, "fence")
+                    self.note_members(fence["members"])
+                    held = set(fence["shards"])
+                    for shard in shards:
+                        if shard.shard not in held:
+                            shard.lose("its shard lock is no longer held", lock_may_be_free=True)
+                    live = [s for s in shards if s.shard in held]
+                    if require_all and len(live) < len(shards):
+                        raise LeadershipLost("its shard lock is no longer held")
+                    scope = ShardScope(self.keys.count, {s.shard: s.fencing_token for s in live})
+                    token = live[0].fencing_token if len(live) == 1 else None
+                    tx = PgTx(self.conn, token, self.statement_lock, scope)
+                    if only_ours:
+                        yield tx
+                        return
+                    try:
+                        async with statement_locked_transaction(self.conn, self.statement_lock):
+                            yield tx
+                    finally:
+                        async with self.statement_lock:
+                            await self._restore_all(sorted(held))
+            except BaseException:
+                self._closed_already()
+                raise
+
+    async def _restore_all(self, shards: list[int]) -> None:
+        """As the session lease's restore, for every lock the member holds."""
+        if self.lost.is_set() or self.conn.is_closed():
+            return
+        args = (self.keys.member_class, self.member_objid, self.keys.shard_class, shards, self.key)
+        try:
+            async with asyncio.timeout(self.settings.database.connect_timeout):
+                if self.conn.is_in_transaction():
+                    kept = await self.conn.fetchval(QUERIES["shard_fence_release"], *args)
+                    await self.conn.fetchval(QUERIES["shard_fence_retake"], *args)
+                    if not kept:
+                        self.log.warning(
+                            "leader.lock_restored",
+                            hint="SQL run in a fenced transaction released the member's "
+                            "locks (pg_advisory_unlock_all?); they were held throughout and "
+                            "are held again",
+                        )
+                    return
+                # SQL ended the transaction (COMMIT): look, do not touch.
+                state = await self.conn.fetchval(
+                    QUERIES["shard_member_state"], self.backend_pid, self.keys.member_class,
+                    self.member_objid, self.keys.shard_class,
+                )  # fmt: skip
+                if not state["member"] or not set(shards) <= set(state["shards"]):
+                    self._fence_broken("SQL in a fenced transaction ended it and the locks")
+        except LeadershipLost:
+            raise
+        except Exception as exc:  # fail closed: unsure is lost
+            self._fence_broken(f"could not restore the fence: {describe(exc)}")
+
+    def observe(self, state: dict[str, Any], sent: float) -> bool:
+        """Take in a heartbeat's answer (asked at ``sent``): shards it no longer lists are
+        lost, a different member list asks for a rebalance. Whether we are a member."""
+        held = set(state["shards"])
+        for shard in list(self.shards.values()):
+            judged = shard.acquired_at < sent and not shard.unlocking
+            if judged and shard.shard not in held and not shard.lost.is_set():
+                shard.lose("heartbeat: its shard lock is no longer held", lock_may_be_free=True)
+        self.note_members(state["members"])
+        return bool(state["member"])
+
+    def note_members(self, pids: Sequence[int]) -> None:
+        """The members' pids as the lock manager lists them now: a list other than the
+        rebalancer's last view asks it to look again."""
+        if self.view is not None and sorted(m.pid for m in self.view.members) != list(pids):
+            self.rebalance.set()
+
+    def successor(self) -> Member | None:
+        """The member this one watches: the next in pid order, round the ring."""
+        if self.view is None or len(self.view.members) < 2:
+            return None
+        ring = sorted(self.view.members, key=lambda m: m.pid)
+        later = [m for m in ring if m.pid > self.backend_pid]
+        return later[0] if later else ring[0]
+
+    def ended(self) -> bool:
+        """Whether the member lease is over (a failure on its connection may be the first
+        sign of it, before asyncpg's close callback has run)."""
+        self._closed_already()
+        return self.lost.is_set()
