@@ -61,7 +61,8 @@ from ..db.sqlfiles import queries
 from ..errors import describe
 from ..logs import Logger
 from ..schema_gate import SchemaGate
-from .base import GuardBase, LeadershipLost, LeaseState, Stopping, heartbeat, settle_time
+from .base import GuardBase, LeadershipLost, LeaseState, Stopping, settle_time
+from .heartbeat import heartbeat
 
 QUERIES = queries("postgres")
 

@@ -54,9 +54,9 @@ from .base import (
     LeaseState,
     NotLeader,
     PendingHold,
-    heartbeat,
     settle_time,
 )
+from .heartbeat import heartbeat
 
 QUERIES = queries("postgres")
 

@@ -54,7 +54,8 @@ from ..db.postgres import ask_between_statements, detect_dead_peer
 from ..db.sqlfiles import queries
 from ..errors import describe
 from .assignment import Member
-from .base import Stopping, discard_outcome, heartbeat
+from .base import Stopping, discard_outcome
+from .heartbeat import heartbeat
 from .postgres_session import SessionGuard, SessionLease, session_keepalive_settings
 from .shard_keys import ShardKeys
 from .shard_lease import MemberLease
