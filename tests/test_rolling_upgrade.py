@@ -51,8 +51,7 @@ from rig.waiting import wait_until
 from test_http import http_get
 
 import scheduler_daemon
-from scheduler_daemon.db.postgres import WAKE_LEADERS
-from scheduler_daemon.db.sqlfiles import migrations
+from scheduler_daemon.db.sqlfiles import migrations, queries
 from scheduler_daemon.db.url import Backend
 from scheduler_daemon.loops import plugin, publish
 
@@ -130,8 +129,9 @@ def test_the_next_build_is_what_the_processes_run(next_build: NextBuild) -> None
         text=True, check=True,
     ).stdout.strip()  # fmt: skip
     assert Path(where).is_relative_to(next_build.path), where
-    assert f"'{publish.WAKE_CHANNEL}'" in WAKE_LEADERS
-    assert f"'{plugin.WAKE_CHANNEL}'" in WAKE_LEADERS
+    wake_leaders = queries("postgres")["migration_wake_leaders"]
+    assert f"'{publish.WAKE_CHANNEL}'" in wake_leaders
+    assert f"'{plugin.WAKE_CHANNEL}'" in wake_leaders
 
 
 # -- an old replica on a newer schema ---------------------------------------------------

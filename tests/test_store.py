@@ -35,10 +35,16 @@ def test_both_backends_define_the_same_queries() -> None:
     postgres_only = {
         "leader_touch", "fence_begin", "fence_restore", "lock_entry", "lock_held", "leader_predecessor", "instance_sessions", "lock_sessions", "notify_published",
         "leaders_forget",
+        # A statement's own timeout (SQLite: none, busy_timeout for the whole connection).
+        "statement_timeout_read", "statement_timeout_local", "statement_timeout_restore",
+        # `migrate`'s lock and wake-up, and the grants a role needs (SQLite: the file's).
+        "version_table_exists", "migration_lock", "migration_lock_versions",
+        "migration_wake_leaders", "missing_grants", "unusable_schemas", "lock_timeout_local",
     }  # fmt: skip
     # Sharded leadership is PostgreSQL's (session mode): SQLite refuses plugin.shards > 1.
     postgres_only |= {name for name in queries("postgres") if name.startswith("shard_")}
-    sqlite_only = {"leader_heartbeat"}
+    # The connection's pragmas; the publish leader's stand-in for LISTEN.
+    sqlite_only = {"leader_heartbeat", "table_exists", "connection_settings", "data_version"}
     assert set(queries("postgres")) - postgres_only == set(queries("sqlite")) - sqlite_only
 
 

@@ -33,7 +33,7 @@ from .base import (
 )
 from .common import explain_cancel_refusal
 from .privileges import refuse_missing_grants, refuse_unusable_schema
-from .sqlfiles import Migration, migrations, positional, queries
+from .sqlfiles import Migration, formatted, migrations, positional, queries
 from .url import DatabaseUrl
 
 QUERIES = queries("postgres")
@@ -46,19 +46,6 @@ MIGRATION_LOCK_KEY = 0x5C4ED01E_00000001
 # loop's next fenced transaction queues behind it: this bounds that pause, should a
 # long SQL task or transaction-mode run be in flight.
 MIGRATION_LOCK_TIMEOUT = 2.0
-# A migration's first step: wait until no fenced transaction of a loop is in flight (each
-# reads the version in its first statement, which holds ACCESS SHARE on the table until it
-# ends), and make every later one wait for this migration and then see its version
-# (schema_gate.py).
-LOCK_VERSION_TABLE = "LOCK TABLE scheduler_schema_version IN ACCESS EXCLUSIVE MODE"
-# Sent by a migration that applied something, delivered when it commits: every leader
-# listening (loops/publish.py, loops/plugin.py) ticks now, so an older replica's next
-# fenced transaction sees the new version and it hands its locks over at once, not at its
-# next planned tick. An empty payload means "look again" on both channels.
-WAKE_LEADERS = (
-    "SELECT pg_notify('scheduler_publications_due', ''), "
-    "pg_notify('scheduler_plugin_tasks_changed', '')"
-)
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
@@ -79,8 +66,7 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
 
 async def _pending(conn: asyncpg.Connection, url: DatabaseUrl) -> list[Migration]:
     """The migrations of this build that the database has not applied yet."""
-    # Found through search_path, as the migrations' own unqualified names are.
-    if not await conn.fetchval("SELECT to_regclass('scheduler_schema_version') IS NOT NULL"):
+    if not await conn.fetchval(QUERIES["version_table_exists"]):
         await refuse_unusable_schema(conn, f"database {url}")
         return list(migrations("postgres"))
     try:
@@ -240,11 +226,14 @@ class PgTx:
             return
         # Scoped to this statement: in transaction mode several runs share one transaction
         # (savepoints), and a SET LOCAL would outlive the savepoint that made it.
-        previous = await self.conn.fetchval("SELECT current_setting('statement_timeout')")
-        await self.conn.execute(f"SET LOCAL statement_timeout = {int(statement_timeout * 1000)}")
+        previous = await self.conn.fetchval(QUERIES["statement_timeout_read"])
+        milliseconds = int(statement_timeout * 1000)
+        await self.conn.execute(
+            formatted(QUERIES["statement_timeout_local"], milliseconds=milliseconds)
+        )
         # And asyncpg's own limit: a pooled connection's command_timeout would cut it short.
         await self.conn.execute(sql, timeout=statement_timeout + 1.0)
-        await self.conn.execute("SELECT set_config('statement_timeout', $1, true)", previous)
+        await self.conn.execute(QUERIES["statement_timeout_restore"], previous)
 
     async def fetch(self, query: str, *args: Any) -> list[dict[str, Any]]:
         async with _held(self.statement_lock):
@@ -361,7 +350,7 @@ class PostgresStore:
             if not pending:
                 return applied
             async with conn.transaction():
-                await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK_KEY)
+                await conn.execute(QUERIES["migration_lock"], MIGRATION_LOCK_KEY)
                 await conn.execute(QUERIES["create_version_table"])
                 done = {row["version"] for row in await conn.fetch(QUERIES["applied_versions"])}
                 todo = [m for m in migrations("postgres") if m.version not in done]
@@ -369,14 +358,16 @@ class PostgresStore:
                     # Migrators queue on the advisory lock, so only this one upgrades its
                     # read's ACCESS SHARE: no deadlock with another.
                     timeout_ms = int(MIGRATION_LOCK_TIMEOUT * 1000)
-                    await conn.execute(f"SET LOCAL lock_timeout = {timeout_ms}")
-                    await conn.execute(LOCK_VERSION_TABLE)
+                    await conn.execute(
+                        formatted(QUERIES["lock_timeout_local"], milliseconds=timeout_ms)
+                    )
+                    await conn.execute(QUERIES["migration_lock_versions"])
                 for migration in todo:
                     await conn.execute(migration.sql)
                     await conn.execute(QUERIES["record_version"], migration.version, migration.name)
                     applied.append(AppliedMigration(migration.version, migration.name))
                 if applied:
-                    await conn.execute(WAKE_LEADERS)
+                    await conn.execute(QUERIES["migration_wake_leaders"])
         except asyncpg.InsufficientPrivilegeError as exc:
             if not pending:
                 raise  # reading the versions: the usual explanation names the table

@@ -17,6 +17,70 @@ INSERT INTO scheduler_schema_version (version, name) VALUES ($1, $2)
 -- On a database never migrated the table is missing: the store answers None for that.
 SELECT max(version) FROM scheduler_schema_version
 
+-- name: version_table_exists
+-- `migrate`'s first look, before any DDL: found through search_path, as the migrations'
+-- own unqualified names are. Absent: never migrated, or in a schema this role may not use
+-- (unusable_schemas tells which).
+SELECT to_regclass('scheduler_schema_version') IS NOT NULL
+
+-- name: migration_lock
+-- Serialises `migrate` across replicas (MIGRATION_LOCK_KEY): a transaction-level lock on a
+-- dedicated connection, so a replica that starts at the same moment waits, then finds
+-- nothing to do.
+SELECT pg_advisory_xact_lock($1)
+
+-- name: migration_lock_versions
+-- A migration's first step: wait until no fenced transaction of a loop is in flight (each
+-- reads the version in its first statement, which holds ACCESS SHARE on the table until it
+-- ends), and make every later one wait for this migration and then see its version
+-- (schema_gate.py). The wait is bounded by lock_timeout_local (MIGRATION_LOCK_TIMEOUT).
+LOCK TABLE scheduler_schema_version IN ACCESS EXCLUSIVE MODE
+
+-- name: migration_wake_leaders
+-- Sent by a migration that applied something, delivered when it commits: every leader
+-- listening (loops/publish.py, loops/plugin.py) ticks now, so an older replica's next
+-- fenced transaction sees the new version and it hands its locks over at once, not at its
+-- next planned tick. An empty payload means "look again" on both channels.
+SELECT pg_notify('scheduler_publications_due', ''),
+       pg_notify('scheduler_plugin_tasks_changed', '')
+
+-- name: missing_grants
+-- Checked by `run` and `preflight` after migrating (privileges.py): of the grants asked for
+-- (kind $1[i], 'table' or 'sequence'; object $2[i]; privilege $3[i]), those the current
+-- role lacks. An object that does not exist counts as lacking (to_regclass gives NULL),
+-- which cannot happen after migrating.
+SELECT r.kind, r.name, r.privilege, quote_ident(current_user) AS role
+FROM unnest($1::text[], $2::text[], $3::text[]) AS r(kind, name, privilege)
+WHERE NOT coalesce(CASE r.kind
+    WHEN 'table' THEN has_table_privilege(to_regclass(r.name), r.privilege)
+    WHEN 'sequence' THEN has_sequence_privilege(to_regclass(r.name), r.privilege)
+END, false)
+ORDER BY r.kind DESC, r.name, r.privilege
+
+-- name: unusable_schemas
+-- Where the scheduler's tables are when name lookup cannot see them: PostgreSQL leaves a
+-- schema the role has no USAGE on out of its search_path, without a word.
+SELECT quote_ident(n.nspname) AS schema, quote_ident(current_user) AS role
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.relname = 'scheduler_schema_version' AND c.relkind = 'r'
+  AND NOT has_schema_privilege(n.oid, 'USAGE')
+ORDER BY n.nspname
+
+-- name: statement_timeout_read
+-- A statement given a timeout of its own (a SQL publisher's or task's: PgTx.execute) has
+-- it for that statement only: in transaction mode several runs share one transaction
+-- (savepoints), and a SET LOCAL would outlive the savepoint that made it. So the setting
+-- is read, set (statement_timeout_local), and put back after the statement
+-- (statement_timeout_restore).
+SELECT current_setting('statement_timeout')
+
+-- name: statement_timeout_local
+-- milliseconds: the statement's timeout.
+SET LOCAL statement_timeout = {milliseconds}
+
+-- name: statement_timeout_restore
+SELECT set_config('statement_timeout', $1, true)
+
 -- name: schedule
 INSERT INTO scheduler_publications (key, payload, publish_at)
 VALUES ($1, $2::text::jsonb, $3)
@@ -206,6 +270,12 @@ WHERE locktype = 'advisory' AND pid = $2 AND objsubid = 1
   AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND classid = (($1::bigint >> 32) & 4294967295)::oid
   AND objid = ($1::bigint & 4294967295)::oid
+
+-- name: lock_timeout_local
+-- How long this transaction's statements wait for a lock, milliseconds: a hand-over
+-- hold's queue (lock.stall_timeout); a migration's lock on the version table
+-- (MIGRATION_LOCK_TIMEOUT, then it rolls back and is retried).
+SET LOCAL lock_timeout = {milliseconds}
 
 -- name: lock_sessions
 -- Who holds and who waits for a loop's lock, straight from the lock manager. A leader's

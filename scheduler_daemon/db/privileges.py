@@ -20,31 +20,12 @@ from collections.abc import Collection
 import asyncpg
 
 from ..errors import PrivilegeRefused
+from .sqlfiles import queries
+
+QUERIES = queries("postgres")
 
 # (kind, object) -> privileges; kind is "table" or "sequence".
 Grants = dict[tuple[str, str], set[str]]
-
-# Of the grants asked for, those the current role lacks; an object that does not exist
-# counts as lacking (to_regclass gives NULL), which cannot happen after migrating.
-_MISSING = """
-SELECT r.kind, r.name, r.privilege, quote_ident(current_user) AS role
-FROM unnest($1::text[], $2::text[], $3::text[]) AS r(kind, name, privilege)
-WHERE NOT coalesce(CASE r.kind
-    WHEN 'table' THEN has_table_privilege(to_regclass(r.name), r.privilege)
-    WHEN 'sequence' THEN has_sequence_privilege(to_regclass(r.name), r.privilege)
-END, false)
-ORDER BY r.kind DESC, r.name, r.privilege
-"""
-
-# Where the scheduler's tables are when name lookup cannot see them: PostgreSQL leaves a
-# schema the role has no USAGE on out of its search_path, without a word.
-_UNUSABLE_SCHEMAS = """
-SELECT quote_ident(n.nspname) AS schema, quote_ident(current_user) AS role
-FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-WHERE c.relname = 'scheduler_schema_version' AND c.relkind = 'r'
-  AND NOT has_schema_privilege(n.oid, 'USAGE')
-ORDER BY n.nspname
-"""
 
 _ORDER = ("SELECT", "INSERT", "UPDATE", "DELETE", "USAGE")
 
@@ -81,6 +62,10 @@ def required_grants(loops: Collection[str], *, session: bool, webhook: bool, pur
 
 
 def grant_statement(kind: str, name: str, privileges: Collection[str], role: str) -> str:
+    """The GRANT that gives ``role`` what it lacks: text for the operator to run as the
+    tables' owner, shown in an error, never run by the daemon (so built here, not a named
+    block). Object names are the daemon's own; the role comes quoted by the server
+    (``quote_ident`` in missing_grants)."""
     ordered = ", ".join(sorted(privileges, key=_ORDER.index))
     on = f"SEQUENCE {name}" if kind == "sequence" else name
     return f"GRANT {ordered} ON {on} TO {role}"
@@ -90,7 +75,10 @@ async def refuse_missing_grants(conn: asyncpg.Connection, need: Grants, where: s
     """Raise :class:`PrivilegeRefused` naming, as GRANT statements, what the role lacks."""
     asked = [(kind, name, p) for (kind, name), privileges in need.items() for p in privileges]
     rows = await conn.fetch(
-        _MISSING, [a[0] for a in asked], [a[1] for a in asked], [a[2] for a in asked]
+        QUERIES["missing_grants"],
+        [a[0] for a in asked],
+        [a[1] for a in asked],
+        [a[2] for a in asked],
     )
     if not rows:
         return
@@ -110,7 +98,7 @@ async def refuse_missing_grants(conn: asyncpg.Connection, need: Grants, where: s
 
 async def refuse_unusable_schema(conn: asyncpg.Connection, where: str) -> None:
     """Before concluding that the schema was never created: it may only be out of sight."""
-    rows = await conn.fetch(_UNUSABLE_SCHEMAS)
+    rows = await conn.fetch(QUERIES["unusable_schemas"])
     if rows:
         schema, role = rows[0]["schema"], rows[0]["role"]
         raise PrivilegeRefused(

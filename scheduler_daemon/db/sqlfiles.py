@@ -1,7 +1,10 @@
 """SQL kept in files: numbered migrations, and named queries in one file per backend.
 
 A queries file is a list of blocks, each introduced by a line ``-- name: <query_name>``;
-the block's text up to the next such line is the statement.
+the block's text up to the next such line is the statement (or, where a block says so,
+the statements). Parameters are the driver's (``$1``, ``?``) or named (``:name``, see
+:func:`positional`); a statement that takes no bind parameters (``SET``, ``PRAGMA``) has
+``{name}`` placeholders instead, which :func:`formatted` fills with integers only.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ _NAME_LINE = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.M)
 # A named parameter, ``:name``; not a cast (``::jsonb``) nor a time inside a literal.
 _NAMED_PARAMETER = re.compile(r"(?<![:\w]):([a-z_][a-z0-9_]*)")
 _MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
+# A value written into a statement's text, ``{name}`` (see :func:`formatted`).
+_PLACEHOLDER = re.compile(r"\{([a-z_][a-z0-9_]*)\}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +57,22 @@ def positional(backend: Backend, query: str) -> tuple[str, tuple[str, ...]]:
 
     text = _NAMED_PARAMETER.sub(number, queries(backend)[query])
     return text, tuple(order)
+
+
+def formatted(text: str, **values: int) -> str:
+    """A named block's text with each ``{name}`` placeholder replaced by ``values[name]``.
+
+    For the statements that take no bind parameters (``SET``, ``PRAGMA``), whose values
+    must be part of the text. Integers only (not bools): a number is all that can reach
+    the text this way, so nothing written here can be read as SQL. Every placeholder must
+    be given a value, and every value must have a placeholder."""
+    for name, value in values.items():
+        if type(value) is not int:
+            raise TypeError(f"{{{name}}} takes an int, not {type(value).__name__}")
+    used = set(_PLACEHOLDER.findall(text))
+    if used != set(values):
+        raise ValueError(f"placeholders {sorted(used)}, values given for {sorted(values)}")
+    return _PLACEHOLDER.sub(lambda match: str(values[match[1]]), text)
 
 
 @cache

@@ -37,7 +37,7 @@ from .base import (
     ShardScope,
 )
 from .common import explain_cancel_refusal, to_db_time
-from .sqlfiles import migrations, queries
+from .sqlfiles import formatted, migrations, queries
 from .sqlite_file import check_database_file, real_path
 from .url import DatabaseUrl
 
@@ -261,10 +261,9 @@ class SqliteStore:
         try:
             conn.row_factory = sqlite3.Row
             busy_ms = int(settings.database.statement_timeout * 1000)
-            await conn.execute(f"PRAGMA busy_timeout = {busy_ms}")
-            await conn.execute("PRAGMA journal_mode = WAL")
-            await conn.execute("PRAGMA synchronous = NORMAL")
-            await conn.execute("PRAGMA foreign_keys = ON")
+            pragmas = formatted(QUERIES["connection_settings"], busy_ms=busy_ms)
+            for statement in split_script(pragmas):
+                await conn.execute(statement)
         except BaseException:
             await conn.close()
             raise
@@ -340,7 +339,7 @@ class SqliteStore:
         """SQLite's ``PRAGMA data_version`` on our connection: it changes when another
         connection (another process) commits, never for our own commits. Cheap: it reads
         the WAL index in shared memory, no page of the database."""
-        row = await self._fetchone("PRAGMA data_version")
+        row = await self._fetchone(QUERIES["data_version"])
         assert row is not None
         return int(row[0])
 
@@ -351,10 +350,7 @@ class SqliteStore:
         return None if row is None or row["seconds"] is None else float(row["seconds"])
 
     async def schema_version(self) -> int | None:
-        exists = await self._fetchone(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
-            ("scheduler_schema_version",),
-        )
+        exists = await self._fetchone(QUERIES["table_exists"], ("scheduler_schema_version",))
         if exists is None:
             return None
         row = await self._fetchone(QUERIES["schema_version"])

@@ -17,6 +17,25 @@ INSERT INTO scheduler_schema_version (version, name) VALUES (?, ?)
 -- name: schema_version
 SELECT max(version) FROM scheduler_schema_version
 
+-- name: table_exists
+-- A row if table ? exists: a database never migrated has no scheduler_schema_version.
+SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?
+
+-- name: connection_settings
+-- The store's one connection, as it opens: four statements, run one at a time. busy_ms
+-- (database.statement_timeout) is how long a statement waits for the write lock another
+-- process holds. In WAL mode readers never wait for the writer, nor hold it up.
+PRAGMA busy_timeout = {busy_ms};
+PRAGMA journal_mode = WAL;
+PRAGMA synchronous = NORMAL;
+PRAGMA foreign_keys = ON
+
+-- name: data_version
+-- Changes when another connection (another process) commits, never for our own commits.
+-- Cheap: it reads the WAL index in shared memory, no page of the database. The publish
+-- leader's stand-in for LISTEN, asked when the files moved.
+PRAGMA data_version
+
 -- name: schedule
 INSERT INTO scheduler_publications (key, payload, publish_at)
 VALUES (?, json(?), ?)
