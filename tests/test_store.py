@@ -35,11 +35,16 @@ def test_both_backends_define_the_same_queries() -> None:
     postgres_only = {
         "leader_touch", "fence_begin", "fence_restore", "lock_entry", "lock_held", "leader_predecessor", "instance_sessions", "lock_sessions", "notify_published",
         "leaders_forget",
+        # The session guard's lock and settings; the transaction guard's (SQLite: flock,
+        # and BEGIN IMMEDIATE, its one transaction control statement).
+        "session_limits", "lock_try", "lock_wait", "lock_unlock", "statement_timeout_off",
+        "statement_timeout_reset", "fence_compete", "transaction_limits", "backend_pid",
+        "hold_queue", "lock_timeout_local", "lock_timeout_default",
         # A statement's own timeout (SQLite: none, busy_timeout for the whole connection).
         "statement_timeout_read", "statement_timeout_local", "statement_timeout_restore",
         # `migrate`'s lock and wake-up, and the grants a role needs (SQLite: the file's).
         "version_table_exists", "migration_lock", "migration_lock_versions",
-        "migration_wake_leaders", "missing_grants", "unusable_schemas", "lock_timeout_local",
+        "migration_wake_leaders", "missing_grants", "unusable_schemas",
     }  # fmt: skip
     # Sharded leadership is PostgreSQL's (session mode): SQLite refuses plugin.shards > 1.
     postgres_only |= {name for name in queries("postgres") if name.startswith("shard_")}

@@ -261,6 +261,19 @@ FROM (SELECT EXISTS (
 SELECT u.held FROM (SELECT pg_advisory_unlock($1) AS held) u,
 LATERAL (SELECT pg_advisory_lock($1) WHERE u.held IS NOT NULL) l
 
+-- name: fence_compete
+-- Transaction mode's fence (leadership/postgres_transaction.py), for deployments behind a
+-- transaction pooler, where no session state survives a statement: the first statement of
+-- every transaction that does a loop's work. This transaction takes the lock, or another
+-- holds it (won is false: the tick is skipped, NotLeader); the lock ends with the
+-- transaction, so the work and the lock commit or roll back together, which is the
+-- fencing. Also the server backend's pid (behind a pooler, the client cannot know it; a
+-- hold proves its lock by it, lock_entry), and the schema version, whose read holds ACCESS
+-- SHARE on scheduler_schema_version until the transaction ends, as fence_begin's does
+-- (schema_gate.py). One statement: no round trip added to a tick.
+SELECT pg_try_advisory_xact_lock($1) AS won, pg_backend_pid() AS backend,
+       (SELECT max(version) FROM scheduler_schema_version) AS schema_version
+
 -- name: lock_entry
 -- Backend $2's entry for key $1 in the lock manager: true (it holds the lock), false (it
 -- waits for it), NULL (neither). The session fence after SQL ended its transaction early,
@@ -271,11 +284,75 @@ WHERE locktype = 'advisory' AND pid = $2 AND objsubid = 1
   AND classid = (($1::bigint >> 32) & 4294967295)::oid
   AND objid = ($1::bigint & 4294967295)::oid
 
+-- Session mode's lock connection (leadership/postgres_session.py): its settings, and the
+-- loop's session-level lock (key $1), taken, waited for, let go.
+
+-- name: session_limits
+-- The lock session's server-side limits (PostgreSQL 14 or later, checked at start), set
+-- before it waits for the lock, so that a standby frozen just as it is granted the lock
+-- is covered too (a waiting statement is not idle). client_connection_check_interval: a
+-- leader killed mid-statement is noticed at once, not when the statement ends (holding
+-- the lock until then). The idle timeouts are the stall eviction: a session that sends
+-- nothing for stall_ms (lock.stall_timeout) is ended by the server, freeing its lock.
+-- Three statements, one round trip.
+SET client_connection_check_interval = 1000;
+SET idle_session_timeout = {stall_ms};
+SET idle_in_transaction_session_timeout = {stall_ms}
+
+-- name: lock_try
+-- standby = "poll": the lock if it is free now, else false (tried every lock.poll_interval).
+SELECT pg_try_advisory_lock($1)
+
+-- name: statement_timeout_off
+-- Before lock_wait: the wait lasts until the lock is granted, however long that is.
+SET statement_timeout = 0
+
+-- name: lock_wait
+-- standby = "wait": one statement, granted the moment the leader's session ends. A waiting
+-- standby sends nothing and costs the database nothing but its connection.
+SELECT pg_advisory_lock($1)
+
+-- name: statement_timeout_reset
+-- After lock_wait: back to the value the session started with (database.statement_timeout,
+-- set when it connected).
+RESET statement_timeout
+
+-- name: lock_unlock
+-- A graceful hand-over, after leader_release: whoever waits next is granted the lock now.
+SELECT pg_advisory_unlock($1)
+
+-- Transaction mode (leadership/postgres_transaction.py): nothing may be set for the
+-- session behind a pooler, so each transaction makes its own settings (SET LOCAL).
+
+-- name: transaction_limits
+-- Every fenced transaction's, before fence_compete: a client frozen inside it is cut off
+-- by the server after stall_ms (lock.stall_timeout), which aborts the transaction and
+-- frees the lock; statement_ms is database.statement_timeout. Two statements, one round
+-- trip.
+SET LOCAL idle_in_transaction_session_timeout = {stall_ms};
+SET LOCAL statement_timeout = {statement_ms}
+
+-- name: backend_pid
+-- This connection's server backend: a hand-over hold's, to find its own entry in the lock
+-- manager (lock_entry); and the pooler probe's (leadership/pooler.py), which asks on one
+-- connection several times: behind a transaction pooler the answer changes.
+SELECT pg_backend_pid()
+
+-- name: hold_queue
+-- A hand-over hold queues for the lock that the tick which claimed its work holds: when
+-- that transaction commits, the server grants the lock to this one in the same step, and
+-- nobody can take it in between. The wait is bounded by lock_timeout_local.
+SELECT pg_advisory_xact_lock($1)
+
 -- name: lock_timeout_local
 -- How long this transaction's statements wait for a lock, milliseconds: a hand-over
 -- hold's queue (lock.stall_timeout); a migration's lock on the version table
 -- (MIGRATION_LOCK_TIMEOUT, then it rolls back and is retried).
 SET LOCAL lock_timeout = {milliseconds}
+
+-- name: lock_timeout_default
+-- A hand-over hold, once granted: its own statements wait for locks as any others do.
+SET LOCAL lock_timeout = DEFAULT
 
 -- name: lock_sessions
 -- Who holds and who waits for a loop's lock, straight from the lock manager. A leader's

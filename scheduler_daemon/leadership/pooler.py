@@ -15,6 +15,9 @@ from __future__ import annotations
 import asyncpg
 
 from ..db.postgres import PostgresStore
+from ..db.sqlfiles import queries
+
+QUERIES = queries("postgres")
 
 PROBE_TIMEOUT = 2.0
 
@@ -28,14 +31,15 @@ async def detect_transaction_pooler(store: PostgresStore) -> str | None:
         subject.terminate()
         raise
     try:
-        first = await subject.fetchval("SELECT pg_backend_pid()")
+        backend_pid = QUERIES["backend_pid"]
+        first = await subject.fetchval(backend_pid)
         async with pinner.transaction():
-            await pinner.fetchval("SELECT pg_backend_pid()")
+            await pinner.fetchval(backend_pid)
             try:
-                second = await subject.fetchval("SELECT pg_backend_pid()", timeout=PROBE_TIMEOUT)
+                second = await subject.fetchval(backend_pid, timeout=PROBE_TIMEOUT)
             except TimeoutError:
                 return "a statement waited for another client's transaction to end"
-        third = await subject.fetchval("SELECT pg_backend_pid()")
+        third = await subject.fetchval(backend_pid)
     except (asyncpg.InvalidSQLStatementNameError, asyncpg.DuplicatePreparedStatementError) as exc:
         return f"prepared statements moved between server sessions ({type(exc).__name__})"
     finally:

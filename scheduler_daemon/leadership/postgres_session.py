@@ -57,7 +57,7 @@ from ..db.postgres import (
     detect_dead_peer,
     statement_locked_transaction,
 )
-from ..db.sqlfiles import queries
+from ..db.sqlfiles import formatted, queries
 from ..errors import describe
 from ..logs import Logger
 from ..schema_gate import SchemaGate
@@ -332,20 +332,11 @@ class SessionGuard(GuardBase[PostgresStore]):
         self.metrics.leader.labels(self.loop).set(0)
 
     def _session_timeouts(self) -> str:
-        """The lock session's server-side limits (PostgreSQL 14 or later, checked at start).
-
-        ``client_connection_check_interval``: a leader killed mid-statement is noticed at
-        once, not when the statement ends (holding the lock until then). The idle
-        timeouts are the stall eviction: a session that sends nothing for
-        ``stall_timeout`` (whole milliseconds, as config/timing.py checked) is ended by the server,
-        freeing its lock. Set before the wait, so that a standby frozen just as it is
-        granted the lock is covered too; a waiting statement is not idle."""
+        """The lock session's server-side limits (``session_limits`` in db/postgres.sql says
+        why each): the idle timeouts, the stall eviction, are ``stall_timeout`` in whole
+        milliseconds, as config/timing.py checked. Sent before the wait for the lock."""
         stall_ms = round(self.lock.stall_timeout * 1000)
-        return (
-            "SET client_connection_check_interval = 1000; "
-            f"SET idle_session_timeout = {stall_ms}; "
-            f"SET idle_in_transaction_session_timeout = {stall_ms}"
-        )
+        return formatted(QUERIES["session_limits"], stall_ms=stall_ms)
 
     async def _wait_for_predecessor(
         self, conn: asyncpg.Connection, predecessor: Any
@@ -392,13 +383,13 @@ class SessionGuard(GuardBase[PostgresStore]):
         self.metrics.lock_waits.labels(self.loop).inc()
         self.log.info("leader.waiting", key=self.key, standby=self.lock.standby)
         if self.lock.standby == "poll":
-            while not await conn.fetchval("SELECT pg_try_advisory_lock($1)", self.key):
+            while not await conn.fetchval(QUERIES["lock_try"], self.key):
                 if await wait_any([self.stop, self.schema.newer], self.lock.poll_interval):
                     raise Stopping if self.stop.is_set() else self.schema.error()
             return
         # No statement_timeout on the wait: it lasts until the lock is granted.
-        await conn.execute("SET statement_timeout = 0")
-        waiting = asyncio.ensure_future(conn.execute("SELECT pg_advisory_lock($1)", self.key))
+        await conn.execute(QUERIES["statement_timeout_off"])
+        waiting = asyncio.ensure_future(conn.execute(QUERIES["lock_wait"], self.key))
         # Stopping, or another loop of this replica found the schema newer than we know.
         quitting = [asyncio.ensure_future(e.wait()) for e in (self.stop, self.schema.newer)]
         try:
@@ -421,7 +412,7 @@ class SessionGuard(GuardBase[PostgresStore]):
                 waiting.exception()  # retrieved: the stop is what we report
             raise Stopping if self.stop.is_set() else self.schema.error()
         waiting.result()
-        await conn.execute("RESET statement_timeout")
+        await conn.execute(QUERIES["statement_timeout_reset"])
 
     async def _prove(self, lease: SessionLease) -> bool:
         """One heartbeat: the database still sees our lock session holding the key.
@@ -463,7 +454,7 @@ class SessionGuard(GuardBase[PostgresStore]):
             try:
                 async with asyncio.timeout(self.settings.database.connect_timeout):
                     await lease.conn.execute(QUERIES["leader_release"], self.loop, self.key)
-                    await lease.conn.execute("SELECT pg_advisory_unlock($1)", self.key)
+                    await lease.conn.execute(QUERIES["lock_unlock"], self.key)
                     await lease.conn.close()
                 self.metrics.leadership_changes.labels(self.loop, "released").inc()
                 self.log.info("leader.released", key=self.key)

@@ -10,7 +10,7 @@ harmless because due-ness is decided from database state.
 Work done *outside* the database (a Python task, a webhook POST) must hold the lock too,
 or two replicas would run the loop's work at once. It runs inside a **hold**
 (:class:`TransactionHold`): one transaction, on a pooled connection, that keeps the lock
-while the work goes on, heartbeats (``SELECT 1``) so that it never sits idle past
+while the work goes on, heartbeats (``lock_entry``) so that it never sits idle past
 ``idle_in_transaction_session_timeout``, records the work's results in savepoints, and
 commits when the work is done. A hold either competes like a tick (:meth:`hold`, the
 webhook deliverer) or takes the lock over from the tick that claimed its work
@@ -44,7 +44,7 @@ from ..db.postgres import (
     detect_dead_peer,
     statement_locked_transaction,
 )
-from ..db.sqlfiles import queries
+from ..db.sqlfiles import formatted, queries
 from ..errors import describe
 from .base import (
     KILL_WAIT,
@@ -63,14 +63,6 @@ QUERIES = queries("postgres")
 # How long a tick waits for its hand-over hold to be queued on the lock (one round trip
 # on a healthy server) before it gives up and rolls back what it claimed.
 HANDOVER_QUEUE_TIMEOUT = 5.0
-# The fence, first statement of every transaction that does a loop's work: this
-# transaction takes the lock (or another holds it: won is false); and the schema version,
-# whose read holds ACCESS SHARE on the table until the transaction ends, as session mode's
-# fence_begin does (schema_gate.py). One statement, as before the version was read.
-COMPETE = (
-    "SELECT pg_try_advisory_xact_lock($1) AS won, pg_backend_pid() AS backend, "
-    "(SELECT max(version) FROM scheduler_schema_version) AS schema_version"
-)
 
 
 class TransactionGuard(GuardBase[PostgresStore]):
@@ -107,8 +99,7 @@ class TransactionGuard(GuardBase[PostgresStore]):
         stall_ms = int(self.settings.lock.stall_timeout * 1000)
         statement_ms = int(self.settings.database.statement_timeout * 1000)
         await conn.execute(
-            f"SET LOCAL idle_in_transaction_session_timeout = {stall_ms}; "
-            f"SET LOCAL statement_timeout = {statement_ms}"
+            formatted(QUERIES["transaction_limits"], stall_ms=stall_ms, statement_ms=statement_ms)
         )
 
     async def compete(self, conn: asyncpg.Connection) -> tuple[int, int]:
@@ -117,7 +108,7 @@ class TransactionGuard(GuardBase[PostgresStore]):
         server backend's pid (behind a pooler, the client cannot know it). On a schema
         newer than this build knows, :class:`SchemaNewer` instead (schema_gate.py): the
         same statement reads the version, and holds it until the transaction ends."""
-        fence = await conn.fetchrow(COMPETE, self.key)
+        fence = await conn.fetchrow(QUERIES["fence_compete"], self.key)
         self.schema.check(fence["schema_version"], self.log, "fence")
         if not fence["won"]:
             self.note_leading(False)
@@ -290,11 +281,11 @@ class TransactionHold(LeaseState):
         waiting: from then on, ``tx`` ending hands the lock straight to us."""
         conn = await self._open()
         try:
-            self._backend = await conn.fetchval("SELECT pg_backend_pid()")
+            self._backend = await conn.fetchval(QUERIES["backend_pid"])
             stall_ms = int(self.settings.lock.stall_timeout * 1000)
-            await conn.execute(f"SET LOCAL lock_timeout = {stall_ms}")
+            await conn.execute(formatted(QUERIES["lock_timeout_local"], milliseconds=stall_ms))
             self._granted = asyncio.ensure_future(
-                conn.execute("SELECT pg_advisory_xact_lock($1)", self.guard.key)
+                conn.execute(QUERIES["hold_queue"], self.guard.key)
             )
             deadline = time.monotonic() + HANDOVER_QUEUE_TIMEOUT
             waiting = [{"granted": False}]  # our backend's entry for the key, not granted
@@ -325,7 +316,7 @@ class TransactionHold(LeaseState):
                 # now, it makes a migration wait for the hold's runs, or sees it committed.
                 version = await self._conn.fetchval(QUERIES["schema_version"])
                 self.guard.schema.check(version, self.guard.log, "fence")
-                await self._conn.execute("SET LOCAL lock_timeout = DEFAULT")
+                await self._conn.execute(QUERIES["lock_timeout_default"])
                 # A token of its own, drawn in its own transaction: if this hold is lost,
                 # the next winner of the lock sees the gap (TransactionGuard._settle).
                 self.fencing_token = await self._conn.fetchval(
