@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import re
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
@@ -15,10 +17,11 @@ import pytest
 from rig.databases import replace_host_port
 from rig.tcpproxy import TcpProxy
 
+import scheduler_daemon
 from scheduler_daemon.client import Client
 from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.db.connect import open_store
-from scheduler_daemon.db.sqlfiles import queries
+from scheduler_daemon.db.sqlfiles import formatted, queries
 from scheduler_daemon.errors import InvalidInput, NotFound, SchemaMissing
 
 
@@ -51,6 +54,104 @@ def test_both_backends_define_the_same_queries() -> None:
     # The connection's pragmas; the publish leader's stand-in for LISTEN.
     sqlite_only = {"leader_heartbeat", "table_exists", "connection_settings", "data_version"}
     assert set(queries("postgres")) - postgres_only == set(queries("sqlite")) - sqlite_only
+
+
+# SQL is written in the named blocks of db/postgres.sql and db/sqlite.sql and in migrations,
+# never in Python, but for the statements db/sqlfiles.py's rule keeps there. A string
+# literal that starts as a statement does (upper-case keywords, as this code writes SQL;
+# an f-string's values read as {}); docstrings are prose.
+SQL_LITERAL = re.compile(
+    r"\s*\(?\s*(?:(?:SELECT|INSERT|UPDATE|DELETE|WITH|VALUES|MERGE|TABLE|CREATE|ALTER|DROP"
+    r"|GRANT|REVOKE|TRUNCATE|LOCK|COPY|LISTEN|UNLISTEN|NOTIFY|SET|RESET|SHOW|PRAGMA|SAVEPOINT"
+    r"|RELEASE|ROLLBACK|COMMIT|BEGIN|START|END|ABORT|DISCARD|VACUUM|ANALYZE|EXPLAIN|CALL|DO"
+    r"|DECLARE|FETCH|PREPARE|EXECUTE|DEALLOCATE|ATTACH|DETACH|REINDEX|CLUSTER|REFRESH)\s+\S"
+    r"|(?:BEGIN|COMMIT|ROLLBACK|END|ABORT|CHECKPOINT|VACUUM|ANALYZE)\s*;?\s*$)"
+)
+# Transaction control, spelled by the driver code (db/sqlfiles.py): the SQLite store's
+# transactions, and its savepoints, named by the code (sp_<n>).
+TRANSACTION_CONTROL = {
+    "BEGIN", "BEGIN IMMEDIATE", "COMMIT", "ROLLBACK", "SAVEPOINT {}", "ROLLBACK TO {}",
+    "RELEASE {}",
+}  # fmt: skip
+# Never run: the GRANT an error message tells the operator to run (db/privileges.py).
+NEVER_RUN = {"GRANT {} ON {} TO {}"}
+
+
+def sql_literals(source: str) -> list[tuple[int, str]]:
+    """The string literals of a module's source that read as SQL statements: (line, text)."""
+    tree = ast.parse(source)
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            first = node.body[0] if node.body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                skip.add(id(first.value))  # a docstring
+        elif isinstance(node, ast.JoinedStr):
+            skip.update(id(part) for part in node.values)  # read with the f-string
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            text = "".join(
+                part.value if isinstance(part, ast.Constant) else "{}" for part in node.values
+            )
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if id(node) in skip:
+                continue
+            text = node.value
+        else:
+            continue
+        if SQL_LITERAL.match(text):
+            found.append((node.lineno, text))
+    return found
+
+
+def test_sql_literals_finds_statements_not_prose() -> None:
+    source = '''
+"""SELECT in a docstring is prose."""
+A = "SELECT pg_backend_pid()"
+B = f"SET LOCAL lock_timeout = {ms}"
+C = ("UPDATE t "
+     "SET x = 1")
+D = "COMMIT"
+E = ["SELECT", "INSERT"]  # privilege names
+F = "lock connection closed"
+G = f"Selected {n} rows"
+'''
+    assert sql_literals(source) == [
+        (3, "SELECT pg_backend_pid()"),
+        (4, "SET LOCAL lock_timeout = {}"),
+        (5, "UPDATE t SET x = 1"),
+        (7, "COMMIT"),
+    ]
+
+
+def test_no_sql_in_python() -> None:
+    """Every statement the daemon runs is a named block (or a migration), used as
+    ``QUERIES["name"]``: a literal SQL string in the package fails here, naming where."""
+    package = Path(scheduler_daemon.__file__).parent
+    inline = []
+    for path in sorted(package.rglob("*.py")):
+        if path == package / "db" / "sqlfiles.py":
+            continue
+        for line, text in sql_literals(path.read_text("utf-8")):
+            if " ".join(text.split()) not in TRANSACTION_CONTROL | NEVER_RUN:
+                inline.append(f"{path.relative_to(package.parent)}:{line}: {text[:70]!r}")
+    assert inline == [], "SQL in Python: make it a named block (see db/sqlfiles.py)"
+
+
+def test_formatted_writes_integers_only() -> None:
+    """``{name}`` placeholders (SET, PRAGMA: no bind parameters) take integers, nothing
+    that could be read as SQL, and every one must be filled."""
+    text = queries("postgres")["transaction_limits"]
+    filled = formatted(text, stall_ms=1500, statement_ms=30000)
+    assert "idle_in_transaction_session_timeout = 1500;" in filled
+    assert filled.rstrip().endswith("statement_timeout = 30000")
+    with pytest.raises(TypeError):
+        formatted(text, stall_ms="1500; DROP TABLE x", statement_ms=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        formatted(text, stall_ms=True, statement_ms=1)
+    with pytest.raises(ValueError, match="placeholders"):
+        formatted(text, stall_ms=1500)
 
 
 async def test_schedule_get_and_timezone(client: Client) -> None:

@@ -5,6 +5,14 @@ the block's text up to the next such line is the statement (or, where a block sa
 the statements). Parameters are the driver's (``$1``, ``?``) or named (``:name``, see
 :func:`positional`); a statement that takes no bind parameters (``SET``, ``PRAGMA``) has
 ``{name}`` placeholders instead, which :func:`formatted` fills with integers only.
+
+The rule: transaction control statements are spelled by the driver code (``BEGIN``,
+``COMMIT``, ``ROLLBACK``, ``SAVEPOINT`` and ``RELEASE`` of a savepoint: asyncpg's
+``transaction()``, the SQLite store's own); every statement that reads or writes data,
+or takes a lock, is a named block, and so is every setting a session or transaction
+makes for itself. Python holds no other SQL text, but for text it shows an operator and
+never runs (a ``GRANT`` to run, in an error message). A test scans the package's string
+literals for SQL and keeps it so (tests/test_store.py).
 """
 
 from __future__ import annotations
