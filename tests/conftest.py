@@ -144,6 +144,19 @@ def database_url(request: pytest.FixtureRequest) -> str:
     return url
 
 
+# -- the environment ---------------------------------------------------------------
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``SCHEDULER_*`` variable of the developer's shell reaches ``Settings()`` in this
+    process (processes the rig starts get none anyway: `rig.processes.daemon_env`). A
+    module asks for it with ``pytestmark = pytest.mark.usefixtures("clean_env")``."""
+    for name in list(os.environ):
+        if name.startswith("SCHEDULER_"):
+            monkeypatch.delenv(name)
+
+
 # -- logging -----------------------------------------------------------------------
 
 

@@ -6,22 +6,22 @@ import asyncio
 import json
 import secrets
 import signal
-import socket
 import sqlite3
 import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import click
 import pytest
 from click.testing import CliRunner
-from rig.databases import PgServer, replace_dbname, run_sync
+from rig.databases import PgServer, replace_dbname, run_sync, with_user
 from rig.pgcluster import PgCluster
+from rig.ports import free_port
 from rig.processes import DaemonProcess, Daemons, run_cli
+from rig.sql import execute
 
 from scheduler_daemon.cli.common import handles_errors
 from scheduler_daemon.config.settings import Settings
@@ -112,14 +112,8 @@ def test_check_config_redacts_the_webhook_url(tmp_path: Path) -> None:
     assert webhook["secret"] == "**********"
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_unreachable_database_retries_then_exits_69(daemons: Daemons) -> None:
-    url = f"postgresql://app:hunter2@127.0.0.1:{_closed_port()}/app"
+    url = f"postgresql://app:hunter2@127.0.0.1:{free_port()}/app"
     started = time.monotonic()
     process = daemons.start(
         {"SCHEDULER_DATABASE_URL": url, "SCHEDULER_DATABASE__STARTUP_BUDGET": "3s"}
@@ -144,7 +138,7 @@ def test_unreachable_database_retries_then_exits_69(daemons: Daemons) -> None:
 def test_one_shot_commands_exit_69_when_the_database_is_down(
     tmp_path: Path, args: list[str]
 ) -> None:
-    url = f"postgresql://app:hunter2@127.0.0.1:{_closed_port()}/app"
+    url = f"postgresql://app:hunter2@127.0.0.1:{free_port()}/app"
     # Their own budget: `run`'s startup_budget does not apply to them.
     env = {
         "SCHEDULER_DATABASE_URL": url,
@@ -178,12 +172,6 @@ CONNECTING_COMMANDS = [
 REFUSAL_ENV = {"SCHEDULER_DATABASE__STARTUP_BUDGET": "30s"}
 
 
-def with_user(dsn: str, user: str, password: str | None = None) -> str:
-    parts = urlsplit(dsn)
-    userinfo = user if password is None else f"{user}:{password}"
-    return urlunsplit(parts._replace(netloc=f"{userinfo}@{parts.hostname}:{parts.port}"))
-
-
 def assert_refused_login(tmp_path: Path, url: str, what: str, secret: str | None = None) -> None:
     """Every connecting command exits 78 within seconds, one plain line naming `what`."""
     for args in CONNECTING_COMMANDS:
@@ -215,15 +203,6 @@ def test_unknown_role_exits_78_at_once(tmp_path: Path, pg_server: PgServer) -> N
     assert_refused_login(tmp_path, url, f'role "{role}" does not exist')
 
 
-async def _admin(dsn: str, *statements: str) -> None:
-    conn = await asyncpg.connect(dsn)
-    try:
-        for statement in statements:
-            await conn.execute(statement)
-    finally:
-        await conn.close()
-
-
 async def _wait_for_password_auth(dsn: str) -> None:
     """pg_reload_conf() only signals the postmaster: wait until a wrong password fails."""
     deadline = time.monotonic() + 10
@@ -242,21 +221,19 @@ def password_role(pg_cluster: PgCluster, pg_server: PgServer) -> Iterator[tuple[
     """A role that must log in with its password (scram-sha-256), though the throwaway
     cluster trusts everyone else: a pg_hba.conf rule for this role alone, first."""
     role, password = f"pw_{secrets.token_hex(4)}", secrets.token_hex(8)
-    run_sync(
-        _admin(pg_server.admin_dsn, f"CREATE ROLE {role} LOGIN SUPERUSER PASSWORD '{password}'")
-    )
+    execute(pg_server.admin_dsn, f"CREATE ROLE {role} LOGIN SUPERUSER PASSWORD '{password}'")
     hba = pg_cluster.data_dir / "pg_hba.conf"
     original = hba.read_text()
     rule = f"host all {role} {pg_cluster.host}/32 scram-sha-256\n"
     hba.write_text(rule + original)  # rewritten in place: the server's user keeps owning it
     try:
-        run_sync(_admin(pg_server.admin_dsn, "SELECT pg_reload_conf()"))
+        execute(pg_server.admin_dsn, "SELECT pg_reload_conf()")
         run_sync(_wait_for_password_auth(with_user(pg_server.admin_dsn, role, "wrong")))
         yield role, password
     finally:
         hba.write_text(original)
         pg_server.ensure_running()
-        run_sync(_admin(pg_server.admin_dsn, "SELECT pg_reload_conf()", f"DROP ROLE {role}"))
+        execute(pg_server.admin_dsn, "SELECT pg_reload_conf()", f"DROP ROLE {role}")
 
 
 def test_wrong_password_exits_78_at_once(
@@ -321,7 +298,7 @@ async def test_a_refused_login_is_not_retried() -> None:
 
 
 def test_sigterm_during_startup_retries_exits_promptly(daemons: Daemons) -> None:
-    url = f"postgresql://app@127.0.0.1:{_closed_port()}/app"
+    url = f"postgresql://app@127.0.0.1:{free_port()}/app"
     process = daemons.start({"SCHEDULER_DATABASE_URL": url})
     process.wait_for_log("db.connect_failed")
     process.signal(signal.SIGTERM)
@@ -614,11 +591,8 @@ def test_preflight_checks_and_migrates_like_run(
 
 
 def test_preflight_exits_as_run_would(tmp_path: Path) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]  # closed again at once: nothing listens there
     unreachable = {
-        "SCHEDULER_DATABASE_URL": f"postgresql://app@127.0.0.1:{port}/app",
+        "SCHEDULER_DATABASE_URL": f"postgresql://app@127.0.0.1:{free_port()}/app",
         "SCHEDULER_DATABASE__STARTUP_BUDGET": "1s",
     }
     result = run_cli(["preflight"], unreachable, cwd=tmp_path)
@@ -694,11 +668,11 @@ def test_commands_on_an_unmigrated_postgres_database_say_run_migrate(
 def unprivileged_url(pg_url: str, pg_server: PgServer) -> Iterator[tuple[str, str]]:
     """A role that may log in to the migrated database and do nothing else."""
     role = f"nopriv_{secrets.token_hex(4)}"
-    run_sync(_admin(pg_server.admin_dsn, f"CREATE ROLE {role} LOGIN"))
+    execute(pg_server.admin_dsn, f"CREATE ROLE {role} LOGIN")
     try:
         yield with_user(pg_url, role), role
     finally:
-        run_sync(_admin(pg_server.admin_dsn, f"DROP ROLE {role}"))
+        execute(pg_server.admin_dsn, f"DROP ROLE {role}")
 
 
 @pytest.mark.postgres
@@ -721,7 +695,7 @@ def test_one_shot_commands_wait_the_command_budget_not_the_startup_budget(
     tmp_path: Path,
 ) -> None:
     """An unreachable database: was 60 s (database.startup_budget) before exit 69."""
-    url = f"postgresql://app@127.0.0.1:{_closed_port()}/app"
+    url = f"postgresql://app@127.0.0.1:{free_port()}/app"
     started = time.monotonic()
     result = run_cli(["status"], {"SCHEDULER_DATABASE_URL": url}, cwd=tmp_path)
     elapsed = time.monotonic() - started

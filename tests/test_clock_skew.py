@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 from rig.databases import run_sync
 from rig.processes import DaemonProcess, Daemons, run_cli
-from rig.sql import fetch, scalar
+from rig.sql import fetch, leader_of
 from rig.ticks import (
     assert_no_overlap,
     create_tick_log,
@@ -77,16 +77,6 @@ def replica_env(url: str, name: str, offset: str | None) -> dict[str, str]:
         [*json.loads(env["SCHEDULER_PLUGIN__TASKS"]), slots]
     )
     return env
-
-
-def leader_of(url: str, loop: str) -> str | None:
-    """The instance holding `loop`'s lock, by the lock manager (pg_locks) and its row."""
-    return scalar(
-        url,
-        "SELECT s.instance FROM scheduler_leaders s JOIN pg_locks l ON l.pid = s.backend_pid "
-        "AND l.locktype = 'advisory' AND l.granted WHERE s.loop = $1",
-        loop,
-    )
 
 
 def wait_leading(url: str, name: str) -> None:

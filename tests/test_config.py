@@ -34,11 +34,7 @@ from scheduler_daemon.logs import configure_logging, get_logger
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("SCHEDULER_"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_env")  # conftest.py
 
 
 def write(tmp_path: Path, text: str) -> Path:

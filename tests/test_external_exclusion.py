@@ -21,9 +21,18 @@ from typing import Any
 import asyncpg
 import pytest
 from rig.databases import replace_host_port, run_sync
-from rig.effects import EFFECTS_TARGETS, EffectRun, check_effects, effects_env, read_effects
+from rig.effects import (
+    EFFECTS_TARGETS,
+    EffectRun,
+    check_effects,
+    effects_env,
+    effects_replica_env,
+    read_effects,
+    runs_of,
+    wait_mid_run,
+)
 from rig.processes import Daemons
-from rig.sql import fetch
+from rig.sql import fetch, lock_backend
 from rig.tcpproxy import TcpProxy
 from rig.ticks import (
     FAST_TIMINGS,
@@ -47,53 +56,6 @@ def task(kind: str, every: str = "0.5s", timeout: str = "20s", name: str = "") -
             "target": EFFECTS_TARGETS[kind]}  # fmt: skip
 
 
-def replica_env(
-    url: str,
-    instance: str,
-    log: Path,
-    tasks: list[dict[str, str]],
-    seconds: float = 0.3,
-    **extra: str,
-) -> dict[str, str]:
-    return {
-        "SCHEDULER_DATABASE_URL": url,
-        "SCHEDULER_INSTANCE_ID": instance,
-        **FAST_TIMINGS,
-        "SCHEDULER_PLUGIN__INTERVAL": "0.1",
-        "SCHEDULER_PLUGIN__TASKS": json.dumps(tasks),
-        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
-        **effects_env(log, seconds),
-        **extra,
-    }
-
-
-def mid_run(log: Path, instance: str, kinds: set[str], timeout: float = 20.0) -> None:
-    """Wait until `instance` has a run of each of `kinds` going, started >= 0.1 s ago."""
-
-    def going() -> bool:
-        now = time.time()
-        found = {
-            run.kind
-            for run in read_effects(log)
-            if run.instance == instance and run.outcome == "killed" and now - run.start > 0.1
-            and now - run.end < 0.1
-        }  # fmt: skip
-        return kinds <= found
-
-    wait_until(going, timeout, f"{instance} to be in the middle of {sorted(kinds)} runs")
-
-
-def lock_backend(url: str, instance: str, loop: str = "plugin") -> int:
-    rows = fetch(
-        url,
-        "SELECT pid FROM pg_stat_activity WHERE application_name = $1",
-        f"scheduler-daemon/{instance}/lock:{loop}",
-    )
-    assert len(rows) == 1, rows
-    pid: int = rows[0]["pid"]
-    return pid
-
-
 def terminate(url: str, pid: int) -> float:
     """pg_terminate_backend(pid) on a connection opened beforehand; returns the wall-clock
     time just before the call, so that what is measured from it excludes connecting."""
@@ -108,10 +70,6 @@ def terminate(url: str, pid: int) -> float:
             await conn.close()
 
     return run_sync(go())
-
-
-def runs_of(log: Path, instance: str) -> list[EffectRun]:
-    return [run for run in read_effects(log) if run.instance == instance]
 
 
 # -- the checker ------------------------------------------------------------------------
@@ -157,11 +115,15 @@ def test_a_stopping_leader_that_loses_its_lock_stops_its_runs_at_once(
     log = tmp_path / "effects.jsonl"
     tasks = [task("async"), task("sync")]
     env = {"SCHEDULER_SHUTDOWN_TIMEOUT": "20"}
-    first = daemons.start(replica_env(pg_url, "s1", log, tasks, 3.0, **env), PLUGIN_ONLY, "s1")
+    first = daemons.start(
+        effects_replica_env(pg_url, "s1", log, tasks, 3.0, **env), PLUGIN_ONLY, "s1"
+    )
     first_leader([first])
-    second = daemons.start(replica_env(pg_url, "s2", log, tasks, 3.0, **env), PLUGIN_ONLY, "s2")
+    second = daemons.start(
+        effects_replica_env(pg_url, "s2", log, tasks, 3.0, **env), PLUGIN_ONLY, "s2"
+    )
     second.wait_for_log("leader.waiting", loop="plugin")
-    mid_run(log, "s1", {"async", "sync"})
+    wait_mid_run(log, "s1", {"async", "sync"})
     first.signal(signal.SIGTERM)
     first.wait_for_log("daemon.stopping")
     time.sleep(0.3)  # inside the graceful wait
@@ -190,11 +152,11 @@ def test_a_sync_target_that_ignores_cancellation_is_killed_with_the_lock(
     """
     log = tmp_path / "effects.jsonl"
     tasks = [task("sync_stubborn"), task("async", every="0.2s")]
-    first = daemons.start(replica_env(pg_url, "k1", log, tasks, 3.0), PLUGIN_ONLY, "k1")
+    first = daemons.start(effects_replica_env(pg_url, "k1", log, tasks, 3.0), PLUGIN_ONLY, "k1")
     first_leader([first])
-    second = daemons.start(replica_env(pg_url, "k2", log, tasks, 3.0), PLUGIN_ONLY, "k2")
+    second = daemons.start(effects_replica_env(pg_url, "k2", log, tasks, 3.0), PLUGIN_ONLY, "k2")
     second.wait_for_log("leader.waiting", loop="plugin")
-    mid_run(log, "k1", {"sync_stubborn", "async"})
+    wait_mid_run(log, "k1", {"sync_stubborn", "async"})
     cut_at = terminate(pg_url, lock_backend(pg_url, "k1"))
     lost = wait_for_event(first, "leader.lost", after=cut_at, loop="plugin")
     acquired = wait_for_event(second, "leader.acquired", after=cut_at, loop="plugin")
@@ -230,7 +192,7 @@ def test_a_run_past_its_timeout_is_stopped_for_real(
     skipped as an overlap."""
     log = tmp_path / "effects.jsonl"
     tasks = [task("sync_stubborn", every="2s", timeout="0.5s")]
-    process = daemons.start(replica_env(pg_url, "t1", log, tasks, 5.0), PLUGIN_ONLY, "t1")
+    process = daemons.start(effects_replica_env(pg_url, "t1", log, tasks, 5.0), PLUGIN_ONLY, "t1")
     wait_until(lambda: len(read_effects(log)) >= 3, 30, "three runs")
     stop_all([process])
     runs = read_effects(log)
@@ -256,11 +218,11 @@ def test_a_leader_cut_off_silently_stops_its_work_before_anyone_else_leads(
     host, port = pg_url.split("@")[-1].split("/")[0].split(":")
     proxy = tcp_proxy_factory(host, int(port))
     via_proxy = replace_host_port(pg_url, "127.0.0.1", proxy.port)
-    first = daemons.start(replica_env(via_proxy, "h1", log, tasks, 2.0), PLUGIN_ONLY, "h1")
+    first = daemons.start(effects_replica_env(via_proxy, "h1", log, tasks, 2.0), PLUGIN_ONLY, "h1")
     first_leader([first])
-    second = daemons.start(replica_env(pg_url, "h2", log, tasks, 2.0), PLUGIN_ONLY, "h2")
+    second = daemons.start(effects_replica_env(pg_url, "h2", log, tasks, 2.0), PLUGIN_ONLY, "h2")
     second.wait_for_log("leader.waiting", loop="plugin")
-    mid_run(log, "h1", {"async", "sync"})
+    wait_mid_run(log, "h1", {"async", "sync"})
     cut_at = time.time()
     proxy.freeze()
     lost = wait_for_event(first, "leader.lost", after=cut_at, loop="plugin", timeout=15)
@@ -286,11 +248,11 @@ def test_a_frozen_leader_resumed_after_eviction_stops_within_the_documented_wind
     proof says at once what the heartbeat would say only when its timer runs."""
     log = tmp_path / "effects.jsonl"
     tasks = [task("async"), task("sync"), task("async_checked")]
-    first = daemons.start(replica_env(pg_url, "f1", log, tasks, 3.0), PLUGIN_ONLY, "f1")
+    first = daemons.start(effects_replica_env(pg_url, "f1", log, tasks, 3.0), PLUGIN_ONLY, "f1")
     first_leader([first])
-    second = daemons.start(replica_env(pg_url, "f2", log, tasks, 3.0), PLUGIN_ONLY, "f2")
+    second = daemons.start(effects_replica_env(pg_url, "f2", log, tasks, 3.0), PLUGIN_ONLY, "f2")
     second.wait_for_log("leader.waiting", loop="plugin")
-    mid_run(log, "f1", {"async", "sync", "async_checked"})
+    wait_mid_run(log, "f1", {"async", "sync", "async_checked"})
     stopped_at = time.time()
     first.signal(signal.SIGSTOP)
     wait_for_event(second, "leader.acquired", after=stopped_at, loop="plugin", timeout=30)
@@ -345,9 +307,13 @@ def test_sql_that_drops_the_lock_cannot_end_the_fence(
         {"name": "cancelled", "every": "0.5s", "timeout": "0.3s", "sql": f"{unlock}, pg_sleep(5)"},
     ]
     env = {"SCHEDULER_PLUGIN__MAX_CONSECUTIVE_FAILURES": "100"}
-    first = daemons.start(replica_env(pg_url, "u1", log, tasks, 0.2, **env), PLUGIN_ONLY, "u1")
+    first = daemons.start(
+        effects_replica_env(pg_url, "u1", log, tasks, 0.2, **env), PLUGIN_ONLY, "u1"
+    )
     first_leader([first])
-    second = daemons.start(replica_env(pg_url, "u2", log, tasks, 0.2, **env), PLUGIN_ONLY, "u2")
+    second = daemons.start(
+        effects_replica_env(pg_url, "u2", log, tasks, 0.2, **env), PLUGIN_ONLY, "u2"
+    )
     second.wait_for_log("leader.waiting", loop="plugin")
     first.wait_for_log("leader.lock_restored", loop="plugin")
     time.sleep(3.0)
@@ -378,9 +344,13 @@ def test_a_run_that_swallows_cancellation_ends_its_process_not_the_exclusion(
     log = tmp_path / "effects.jsonl"
     tasks = [task("async_stubborn", every="0.5s")]
     env = {"SCHEDULER_LOCK__MODE": mode}
-    first = daemons.start(replica_env(pg_url, "w1", log, tasks, 4.0, **env), PLUGIN_ONLY, "w1")
-    mid_run(log, "w1", {"async_stubborn"}, timeout=30)
-    second = daemons.start(replica_env(pg_url, "w2", log, tasks, 4.0, **env), PLUGIN_ONLY, "w2")
+    first = daemons.start(
+        effects_replica_env(pg_url, "w1", log, tasks, 4.0, **env), PLUGIN_ONLY, "w1"
+    )
+    wait_mid_run(log, "w1", {"async_stubborn"}, timeout=30)
+    second = daemons.start(
+        effects_replica_env(pg_url, "w2", log, tasks, 4.0, **env), PLUGIN_ONLY, "w2"
+    )
     time.sleep(1.0)
     holder = fetch(
         pg_url,
@@ -415,12 +385,14 @@ def test_transaction_mode_runs_python_work_on_one_replica_at_a_time(
     tasks = [task("async", every="0.3s"), task("sync", every="0.4s")]
     mode = {"SCHEDULER_LOCK__MODE": "transaction"}
     replicas = [
-        daemons.start(replica_env(pg_url, f"x{n}", log, tasks, 0.2, **mode), PLUGIN_ONLY, f"x{n}")
+        daemons.start(
+            effects_replica_env(pg_url, f"x{n}", log, tasks, 0.2, **mode), PLUGIN_ONLY, f"x{n}"
+        )
         for n in (1, 2, 3)
     ]
     wait_until(lambda: len({r.instance for r in read_effects(log)}) >= 2, 30, "two instances")
     victim = next(p for p in replicas if p.name == read_effects(log)[-1].instance)
-    mid_run(log, victim.name, {"async"} if read_effects(log)[-1].kind == "async" else {"sync"})
+    wait_mid_run(log, victim.name, {"async"} if read_effects(log)[-1].kind == "async" else {"sync"})
     victim.kill()
     killed_at = time.time()
     wait_until(
@@ -451,7 +423,9 @@ def test_transaction_mode_a_timed_out_sync_target_never_runs_beside_another_repl
         "SCHEDULER_PLUGIN__MAX_CONSECUTIVE_FAILURES": "100",
     }
     replicas = [
-        daemons.start(replica_env(pg_url, f"o{n}", log, tasks, 5.0, **env), PLUGIN_ONLY, f"o{n}")
+        daemons.start(
+            effects_replica_env(pg_url, f"o{n}", log, tasks, 5.0, **env), PLUGIN_ONLY, f"o{n}"
+        )
         for n in (1, 2)
     ]
     wait_until(lambda: len(read_effects(log)) >= 6, 40, "six runs")
@@ -508,15 +482,15 @@ def test_sqlite_three_processes_never_overlap_outside_the_database(
 ) -> None:
     log = tmp_path / "effects.jsonl"
     tasks = [task("async", every="0.3s"), task("sync", every="0.4s")]
-    first = daemons.start(replica_env(sqlite_url, "q1", log, tasks, 0.2), PLUGIN_ONLY, "q1")
+    first = daemons.start(effects_replica_env(sqlite_url, "q1", log, tasks, 0.2), PLUGIN_ONLY, "q1")
     first_leader([first])
     others = [
-        daemons.start(replica_env(sqlite_url, n, log, tasks, 0.2), PLUGIN_ONLY, n)
+        daemons.start(effects_replica_env(sqlite_url, n, log, tasks, 0.2), PLUGIN_ONLY, n)
         for n in ("q2", "q3")
     ]
     for other in others:
         other.wait_for_log("leader.waiting", loop="plugin")
-    mid_run(log, "q1", {"sync"})
+    wait_mid_run(log, "q1", {"sync"})
     first.kill()
     wait_until(lambda: any(r.instance != "q1" for r in read_effects(log)), 20, "a new leader")
     time.sleep(2.0)

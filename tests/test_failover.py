@@ -25,6 +25,7 @@ from rig.databases import PgServer, replace_host_port, run_sync
 from rig.pgbouncer import PgBouncer, find_pgbouncer
 from rig.pgcluster import PgCluster
 from rig.processes import DaemonProcess, Daemons, run_cli, start_replicas
+from rig.sql import LOCK_HOLDERS, fetch
 from rig.tcpproxy import TcpProxy
 from rig.ticks import (
     FAST_TIMINGS,
@@ -51,33 +52,10 @@ STALL_TIMEOUT = float(FAST_TIMINGS["SCHEDULER_LOCK__STALL_TIMEOUT"])
 HEARTBEAT = float(FAST_TIMINGS["SCHEDULER_LOCK__HEARTBEAT_INTERVAL"])
 
 
-async def _fetch(dsn: str, sql: str, *args: Any) -> list[dict[str, Any]]:
-    conn = await asyncpg.connect(dsn, server_settings=RIG_APP)
-    try:
-        return [dict(row) for row in await conn.fetch(sql, *args)]
-    finally:
-        await conn.close()
-
-
-def fetch(dsn: str, sql: str, *args: Any) -> list[dict[str, Any]]:
-    return run_sync(_fetch(dsn, sql, *args))
-
-
-LOCKS_SQL = """
-SELECT l.pid, l.granted, a.application_name
-FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.locktype = 'advisory' AND l.objsubid = 1
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND l.classid = (($1::bigint >> 32) & 4294967295)::oid
-  AND l.objid = ($1::bigint & 4294967295)::oid
-ORDER BY l.granted DESC
-"""
-
-
 def standbys_waiting(dsn: str, key: int, count: int) -> None:
     """Wait until `count` standbys are blocked in pg_advisory_lock behind a holder."""
     wait_until(
-        lambda: [r["granted"] for r in fetch(dsn, LOCKS_SQL, key)] == [True] + [False] * count,
+        lambda: [r["granted"] for r in fetch(dsn, LOCK_HOLDERS, key)] == [True] + [False] * count,
         20,
         f"1 holder and {count} waiting for key {key}",
     )
@@ -120,7 +98,7 @@ async def kill_and_watch(
         killed_at = time.time()
         kill()
         while time.time() - killed_at < 10:
-            rows = await conn.fetch(LOCKS_SQL, key)
+            rows = await conn.fetch(LOCK_HOLDERS, key)
             if any(r["granted"] and r["pid"] != old_pid for r in rows):
                 return killed_at, time.time()
             await asyncio.sleep(0.002)
@@ -143,7 +121,7 @@ def test_sigkill_of_the_leader_hands_the_lock_to_a_waiting_standby(
         leader_first=True,
     )
     standbys_waiting(pg_url, DEFAULT_PLUGIN_KEY, 2)
-    old_backend = fetch(pg_url, LOCKS_SQL, DEFAULT_PLUGIN_KEY)[0]["pid"]
+    old_backend = fetch(pg_url, LOCK_HOLDERS, DEFAULT_PLUGIN_KEY)[0]["pid"]
     time.sleep(2)
 
     killed_at, granted_at = run_sync(
@@ -289,7 +267,7 @@ def test_a_frozen_leader_is_evicted_and_its_work_in_flight_never_commits(
         lambda: (
             [
                 (r["granted"], r["application_name"].split("/")[1])
-                for r in fetch(pg_url, LOCKS_SQL, DEFAULT_PLUGIN_KEY)
+                for r in fetch(pg_url, LOCK_HOLDERS, DEFAULT_PLUGIN_KEY)
                 if r["application_name"].split("/")[1] in ("f1", successor.name)
             ]
             == [(True, successor.name), (False, "f1")]

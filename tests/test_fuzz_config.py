@@ -26,20 +26,17 @@ import os
 import re
 import socket
 import string
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator
 from datetime import UTC, date, datetime, time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import SecretStr
-from rig.processes import DEFAULT_ENV, run_cli
+from rig.commands import Outcome, invoke, real
 
-from scheduler_daemon.cli import cli
 from scheduler_daemon.config.explain import OTHER_ENV, setting_variables
 from scheduler_daemon.config.settings import PluginTaskSettings, WebhookPublisherSettings
 from scheduler_daemon.logs import get_logger
@@ -215,28 +212,7 @@ def toml_document(entries: list[tuple[list[str], Any]]) -> str:
 # -- running the CLI -----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Outcome:
-    code: int
-    stdout: str
-    stderr: str
-
-
-def invoke(args: list[str], env: Mapping[str, str]) -> Outcome:
-    """``scheduler-daemon ARGS`` in this process. An exception that reaches click's runner
-    would have been a traceback on a terminal."""
-    # The real processes' defaults too (JSON logs, HTTP off), so that both see one config.
-    result = CliRunner().invoke(cli, args, env={**DEFAULT_ENV, **env})
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise AssertionError(
-            f"{args} with {env!r}: a traceback ({result.exception!r})"
-        ) from result.exception
-    return Outcome(result.exit_code, result.stdout, result.stderr)
-
-
-def real(args: list[str], env: Mapping[str, str], cwd: Path) -> Outcome:
-    result = run_cli(args, env, cwd=cwd, timeout=60)
-    return Outcome(result.returncode, result.stdout, result.stderr)
+# rig.commands: invoke (in this process) and real (a process of its own), one Outcome.
 
 
 def assert_config_answer(outcome: Outcome, what: object) -> None:

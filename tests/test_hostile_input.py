@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sqlite3
 import time
 from collections.abc import Iterator, Mapping
@@ -35,16 +34,16 @@ from typing import Any
 
 import asyncpg
 import pytest
-from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rig.commands import Outcome, invoke, real
 from rig.databases import replace_host_port, run_sync
-from rig.processes import DEFAULT_ENV, DaemonProcess, Daemons, run_cli
+from rig.ports import free_port
+from rig.processes import DaemonProcess, Daemons, run_cli
 from rig.sql import fetch, scalar
 from rig.tcpproxy import TcpProxy
 from rig.ticks import FAST_TIMINGS
 
-from scheduler_daemon.cli import cli
 from scheduler_daemon.client import MAX_KEY_LENGTH, MAX_PAYLOAD_DEPTH, Client
 from scheduler_daemon.config import load_settings
 from scheduler_daemon.config.settings import Settings
@@ -57,31 +56,6 @@ from scheduler_daemon.errors import InvalidInput, describe
 FUZZ = settings(
     max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-
-
-@dataclass(frozen=True)
-class Outcome:
-    code: int
-    stdout: str
-    stderr: str
-
-    @property
-    def line(self) -> str:
-        return self.stderr.strip().splitlines()[-1] if self.stderr.strip() else ""
-
-
-def invoke(args: list[str], env: Mapping[str, str]) -> Outcome:
-    """``scheduler-daemon ARGS`` in this process; an exception reaching click's runner
-    would have been a traceback."""
-    result = CliRunner().invoke(cli, args, env={**DEFAULT_ENV, **env})
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise AssertionError(f"{args}: a traceback ({result.exception!r})") from result.exception
-    return Outcome(result.exit_code, result.stdout, result.stderr)
-
-
-def real(args: list[str], env: Mapping[str, str], timeout: float = 60) -> Outcome:
-    result = run_cli(args, env, timeout=timeout)
-    return Outcome(result.returncode, result.stdout, result.stderr)
 
 
 def assert_refused(outcome: Outcome, code: int, *phrases: str) -> None:
@@ -898,12 +872,6 @@ def test_a_database_error_is_one_line(pg_url: str) -> None:
     )
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.parametrize(
     "args",
     [
@@ -917,7 +885,7 @@ def _closed_port() -> int:
 def test_a_database_that_refuses_connections(quiet_env: None, args: list[str]) -> None:
     """Nothing listens (tests/test_cli.py covers `run`, `schedule`, `cancel`, `tasks list`
     and `pause`): retried within the command budget, then 69 and one line."""
-    url = f"postgresql://app:hunter2@127.0.0.1:{_closed_port()}/app"
+    url = f"postgresql://app:hunter2@127.0.0.1:{free_port()}/app"
     started = time.monotonic()
     outcome = invoke(args, url_env(url, SCHEDULER_DATABASE__COMMAND_BUDGET="0.3s"))
     assert_refused(outcome, 69, "unreachable for 0.3s (database.command_budget)", "app:***@")

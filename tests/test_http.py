@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import secrets
 import signal
@@ -17,14 +16,15 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import aiohttp
 import asyncpg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from rig.databases import PgServer, run_sync
+from rig.databases import PgServer, run_sync, with_user
 from rig.pgcluster import PgCluster
+from rig.ports import free_port
 from rig.processes import DaemonProcess, Daemons, run_cli
 from structlog.testing import capture_logs
 
@@ -44,12 +44,7 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "scheduler-daemon.json"
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Settings() reads SCHEDULER_* variables: a developer's shell must not leak in.
-    for name in list(os.environ):
-        if name.startswith("SCHEDULER_"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_env")  # conftest.py
 
 
 def make_settings(database_url: str, **overrides: Any) -> Settings:
@@ -346,14 +341,8 @@ async def test_daemon_without_http(sqlite_url: str) -> None:
 # -- startup: the port is bound before the database is awaited ------------------------------
 
 
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def unreachable_database() -> str:
-    return f"postgresql://app:hunter2@127.0.0.1:{closed_port()}/app"
+    return f"postgresql://app:hunter2@127.0.0.1:{free_port()}/app"
 
 
 def http_get(port: int, path: str) -> tuple[int, str]:
@@ -542,11 +531,6 @@ def assert_same_keys_where_present(summary: Any, full: Any, at: str = "") -> Non
             assert_same_keys_where_present(a, b, f"{at}[{index}]")
     else:
         assert (summary is None) == (full is None) or at.endswith("_age"), at
-
-
-def with_user(dsn: str, user: str, password: str) -> str:
-    parts = urlsplit(dsn)
-    return urlunsplit(parts._replace(netloc=f"{user}:{password}@{parts.hostname}:{parts.port}"))
 
 
 @pytest.fixture

@@ -22,10 +22,10 @@ import asyncpg
 import pytest
 from rig.databases import PgServer, run_sync
 from rig.processes import Daemons, run_cli
+from rig.sql import afetch, execute
 from rig.ticks import (
     FAST_TIMINGS,
     PLUGIN_ONLY,
-    RIG_APP,
     event_time,
     first_leader,
     stop_all,
@@ -49,16 +49,8 @@ def logged_url(pg_server: PgServer, pg_url: str) -> tuple[str, Path]:
     if pg_server.cluster is None:
         pytest.skip("reads the server log: needs the throwaway cluster")
     name = pg_url.rsplit("/", 1)[1]
-    run_sync(_admin(pg_server.admin_dsn, f"ALTER DATABASE \"{name}\" SET log_statement = 'all'"))
+    execute(pg_server.admin_dsn, f"ALTER DATABASE \"{name}\" SET log_statement = 'all'")
     return pg_url, pg_server.cluster.log_path
-
-
-async def _admin(dsn: str, sql: str) -> None:
-    conn = await asyncpg.connect(dsn, server_settings=RIG_APP)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
 
 
 def server_log_since(path: Path, offset: int, apps: str) -> list[re.Match[str]]:
@@ -164,7 +156,7 @@ def test_a_lost_listen_connection_is_reopened_and_wake_ups_still_arrive(
     while not run_sync(_backends(url, listener)):
         assert time.monotonic() < wait_until_listening, "no LISTEN connection"
         time.sleep(0.05)
-    run_sync(_sql(url, f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+    run_sync(afetch(url, f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                        f"WHERE application_name = '{listener}'"))  # fmt: skip
     reopened = time.monotonic() + 10
     while not run_sync(_backends(url, listener)):
@@ -177,7 +169,7 @@ def test_a_lost_listen_connection_is_reopened_and_wake_ups_still_arrive(
     late = 0.0
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        rows = run_sync(_fetch(url, "SELECT extract(epoch FROM published_at - publish_at) AS late "
+        rows = run_sync(afetch(url, "SELECT extract(epoch FROM published_at - publish_at) AS late "
                                     "FROM scheduler_publications WHERE published_at IS NOT NULL"))  # fmt: skip
         if rows:
             late = float(rows[0]["late"])
@@ -238,21 +230,8 @@ async def test_no_listen_connection_outlives_its_last_channel_dropped_while_it_o
         await store.close()
 
 
-async def _fetch(dsn: str, sql: str) -> list[asyncpg.Record]:
-    conn = await asyncpg.connect(dsn, server_settings=RIG_APP)
-    try:
-        rows: list[asyncpg.Record] = await conn.fetch(sql)
-        return rows
-    finally:
-        await conn.close()
-
-
-async def _sql(dsn: str, sql: str) -> None:
-    await _fetch(dsn, sql)
-
-
 async def _backends(dsn: str, application_name: str) -> int:
-    rows = await _fetch(
+    rows = await afetch(
         dsn, f"SELECT pid FROM pg_stat_activity WHERE application_name = '{application_name}'"
     )
     return len(rows)

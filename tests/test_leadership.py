@@ -21,7 +21,7 @@ import asyncpg
 import pytest
 from rig.databases import run_sync
 from rig.processes import DaemonProcess, Daemons, run_cli
-from rig.sql import LOCK_HOLDERS
+from rig.sql import LOCK_HOLDERS, afetch
 from rig.ticks import (
     FAST_TIMINGS,
     PLUGIN_ONLY,
@@ -52,12 +52,7 @@ from scheduler_daemon.config.values import (
 
 async def lock_holders(dsn: str, key: int) -> list[dict[str, Any]]:
     """Who holds (granted) and who waits for advisory lock `key`, from pg_locks."""
-    conn = await asyncpg.connect(dsn, server_settings=RIG_APP)
-    try:
-        rows = await conn.fetch(LOCK_HOLDERS, key)
-    finally:
-        await conn.close()
-    return [dict(row) for row in rows]
+    return await afetch(dsn, LOCK_HOLDERS, key)
 
 
 def wait_for_lock_state(
@@ -182,15 +177,11 @@ def test_five_replicas_transaction_mode_never_overlap(pg_url: str, daemons: Daem
 
 
 async def probe_runs(dsn: str) -> list[dict[str, Any]]:
-    conn = await asyncpg.connect(dsn, server_settings=RIG_APP)
-    try:
-        rows = await conn.fetch(
-            "SELECT slot, instance, status, error FROM scheduler_plugin_runs "
-            "WHERE name = 'probe' ORDER BY slot"
-        )
-    finally:
-        await conn.close()
-    return [dict(row) for row in rows]
+    return await afetch(
+        dsn,
+        "SELECT slot, instance, status, error FROM scheduler_plugin_runs "
+        "WHERE name = 'probe' ORDER BY slot",
+    )
 
 
 @pytest.mark.chaos_long  # `make test-long`: kept out of `make test`'s 10 minutes

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import asyncpg
 import pytest
 from click.testing import CliRunner
 from rig.databases import (
@@ -33,7 +32,7 @@ from rig.databases import (
     run_sync,
 )
 from rig.processes import Daemons, run_cli
-from rig.sql import fetch, scalar
+from rig.sql import execute, fetch, leader_of, scalar
 from rig.ticks import (
     TICK_LOG_DDL,
     assert_no_overlap,
@@ -112,19 +111,6 @@ DOC_UNITS = grant_units(security_sql("owner") + security_sql("runtime"))
 
 
 # -- fixtures ---------------------------------------------------------------------------
-
-
-async def _execute(dsn: str, statements: list[str]) -> None:
-    conn = await asyncpg.connect(dsn)
-    try:
-        for statement in statements:
-            await conn.execute(statement)
-    finally:
-        await conn.close()
-
-
-def execute(dsn: str, *statements: str) -> None:
-    run_sync(_execute(dsn, list(statements)))
 
 
 @pytest.fixture
@@ -482,16 +468,6 @@ def publish_some(split: Split, batch: str, count: int = 5) -> set[str]:
     return {row["published_by"] for row in rows}
 
 
-def leader_of(split: Split, loop: str) -> str | None:
-    """The instance holding `loop`'s lock, by the lock manager (pg_locks) and its row."""
-    return scalar(
-        split.owner_url,
-        "SELECT s.instance FROM scheduler_leaders s JOIN pg_locks l ON l.pid = s.backend_pid "
-        "AND l.locktype = 'advisory' AND l.granted WHERE s.loop = $1",
-        loop,
-    )
-
-
 def wait_probe_runs(split: Split, name: str, count: int = 3) -> None:
     """Until `name` has run the probe `count` times from now on (its work, not its lock)."""
     since = fetch(split.owner_url, "SELECT now() AS now")[0]["now"]
@@ -576,9 +552,11 @@ def test_replicas_run_as_a_runtime_role_with_only_the_documented_grants(
     left = [p for p in replicas.values() if p is not killed]
     names = {p.name for p in left}
     successor = wait_until(
-        lambda: (name := leader_of(split, "plugin")) in names and name, 20, "a plugin leader"
+        lambda: (name := leader_of(split.owner_url, "plugin")) in names and name,
+        20,
+        "a plugin leader",
     )
-    wait_until(lambda: leader_of(split, "publish") in names, 20, "a publish leader")
+    wait_until(lambda: leader_of(split.owner_url, "publish") in names, 20, "a publish leader")
     assert publish_some(split, "after-kill") <= names
     frozen = replicas[successor]
     wait_for_event(frozen, "leader.acquired", after=killed_at, loop="plugin")

@@ -32,12 +32,20 @@ import asyncpg
 import pytest
 from rig import netns
 from rig.databases import create_database, drop_database, migrate, new_database_name, run_sync
-from rig.effects import EFFECTS_TARGETS, EffectRun, check_effects, effects_env, read_effects
+from rig.effects import (
+    EFFECTS_TARGETS,
+    check_effects,
+    effects_replica_env,
+    read_effects,
+    runs_of,
+    wait_mid_run,
+)
 from rig.netns import Namespaces, NetEvent
 from rig.pgcluster import PgCluster, find_pg_bindir
 from rig.plugin import ci_is_set
+from rig.ports import free_port
 from rig.processes import DaemonProcess, Daemons, daemon_env, start_replicas
-from rig.sql import LOCK_HOLDERS
+from rig.sql import LOCK_HOLDERS, fetch, lock_backend
 from rig.ticks import (
     FAST_TIMINGS,
     PLUGIN_ONLY,
@@ -143,7 +151,7 @@ def test_a_partition_is_silent_both_ways_and_heal_restores_it(net: Namespaces) -
     ):
         outward = _connected(net.socket(n), on_host)  # replica -> host
         inward = _connected(socket.socket(), in_ns)  # host -> replica
-        closed_host_port = _unused_port(link.host_ip)
+        closed_host_port = free_port(link.host_ip)
         with pytest.raises(ConnectionRefusedError):  # so the silence below means something
             _connect(net.socket(n), (link.host_ip, closed_host_port), 2.0)
 
@@ -299,13 +307,6 @@ def _connected(client: socket.socket, server: socket.socket) -> tuple[socket.soc
     return client, accepted
 
 
-def _unused_port(host: str) -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 class _echo:
     """Echo every byte on the connections `server` accepts, in a thread."""
 
@@ -395,20 +396,6 @@ def effects_tasks() -> list[dict[str, str]]:
     ]
 
 
-def replica_env(
-    url: str, instance: str, log: Path, timings: Mapping[str, str], tasks: list[dict[str, str]]
-) -> dict[str, str]:
-    return {
-        "SCHEDULER_DATABASE_URL": url,
-        "SCHEDULER_INSTANCE_ID": instance,
-        **timings,
-        "SCHEDULER_PLUGIN__INTERVAL": "0.1",
-        "SCHEDULER_PLUGIN__TASKS": json.dumps(tasks),
-        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
-        **effects_env(log, 0.5),
-    }
-
-
 @dataclass(frozen=True)
 class Replicas:
     leader: DaemonProcess
@@ -429,7 +416,10 @@ def start_in_namespaces(
     once one leads the plugin loop and the others wait."""
     spaces = [net.add() for _ in names]
     envs = [
-        (name, replica_env(net.dsn(n, url), name, log, timings, tasks or effects_tasks()))
+        (
+            name,
+            effects_replica_env(net.dsn(n, url), name, log, tasks or effects_tasks(), 0.5, timings),
+        )
         for name, n in zip(names, spaces, strict=True)
     ]
     processes = start_replicas(
@@ -442,37 +432,14 @@ def start_in_namespaces(
     return Replicas(leader, standbys, spaces[processes.index(leader)])
 
 
-def runs_of(log: Path, instance: str) -> list[EffectRun]:
-    return [run for run in read_effects(log) if run.instance == instance]
-
-
-def _query(url: str, sql: str, *args: Any) -> list[dict[str, Any]]:
-    async def go() -> list[dict[str, Any]]:
-        conn = await asyncpg.connect(url, server_settings=RIG_APP)
-        try:
-            return [dict(row) for row in await conn.fetch(sql, *args)]
-        finally:
-            await conn.close()
-
-    return run_sync(go())
-
-
 def _leader_row(url: str) -> tuple[str, int]:
-    rows = _query(url, "SELECT instance, pid FROM scheduler_leaders WHERE loop = 'plugin'")
+    rows = fetch(url, "SELECT instance, pid FROM scheduler_leaders WHERE loop = 'plugin'")
     assert len(rows) == 1, rows
     return rows[0]["instance"], rows[0]["pid"]
 
 
 def lock_app(instance: str) -> str:
     return f"scheduler-daemon/{instance}/lock:plugin"
-
-
-def lock_backend(url: str, instance: str) -> int:
-    rows = [row for row in _query(url, LOCK_HOLDERS, DEFAULT_PLUGIN_KEY)
-            if row["granted"] and row["application_name"] == lock_app(instance)]  # fmt: skip
-    assert len(rows) == 1, _query(url, LOCK_HOLDERS, DEFAULT_PLUGIN_KEY)
-    pid: int = rows[0]["pid"]
-    return pid
 
 
 @dataclass(frozen=True)
@@ -520,16 +487,6 @@ def why_freed(lines: list[str]) -> str:
     if "connection to client lost" in text:  # a busy backend polled its socket: dead
         return CONNECTION_CHECK
     return "unknown: " + " | ".join(lines[-3:])
-
-
-def _mid_run(log: Path, instance: str) -> bool:
-    now = time.time()
-    going = {
-        run.kind
-        for run in runs_of(log, instance)
-        if run.outcome == "killed" and now - run.start > 0.1 and now - run.end < 0.1
-    }
-    return going >= {"async", "sync"}
 
 
 def _next_leader(processes: list[DaemonProcess], since: float) -> DaemonProcess:
@@ -581,7 +538,7 @@ def test_a_partitioned_leader_stops_before_the_server_frees_its_lock(
     replicas = start_in_namespaces(daemons, net, host_url, ["p0", "p1", "p2"], log, timings)
     leader, standbys, old = replicas.leader, replicas.standbys, replicas.leader.name
     backend = lock_backend(host_url, old)
-    wait_until(lambda: _mid_run(log, old), 20, f"{old} in the middle of an async and a sync run")
+    wait_mid_run(log, old, {"async", "sync"})
 
     freed = cut_and_watch(host_url, backend, lambda: net.partition(replicas.at))
     cut_at = freed.cut.started
@@ -594,7 +551,7 @@ def test_a_partitioned_leader_stops_before_the_server_frees_its_lock(
     heal = net.heal(replicas.at)
     waiting = wait_for_event(leader, "leader.waiting", after=heal.ended, loop="plugin", timeout=30)
     wait_until(lambda: any(r["application_name"] == lock_app(old) and not r["granted"]
-                      for r in _query(host_url, LOCK_HOLDERS, DEFAULT_PLUGIN_KEY)),
+                      for r in fetch(host_url, LOCK_HOLDERS, DEFAULT_PLUGIN_KEY)),
           10, f"{old} waiting on the lock")  # fmt: skip
     time.sleep(0.5)  # and staying a standby
     acquired_again = _events_since(leader, "leader.acquired", cut_at)
@@ -634,7 +591,7 @@ def test_a_leader_cut_off_mid_statement_loses_its_lock_by_the_connection_check(
     )
     old = replicas.leader.name
     backend = lock_backend(host_url, old)
-    wait_until(lambda: _query(host_url, "SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND "
+    wait_until(lambda: fetch(host_url, "SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND "
                          "query LIKE '%pg_sleep(60)%' AND state = 'active'", backend),
           20, f"{old}'s lock session running the long statement")  # fmt: skip
 
@@ -648,9 +605,7 @@ def test_a_leader_cut_off_mid_statement_loses_its_lock_by_the_connection_check(
           f"({freed_by}); {successor.name} leads")  # fmt: skip
     assert freed_by == CONNECTION_CHECK, server_lines(host_pg, backend)
     assert freed.at - cut_at < 10  # not the 60 s the statement would have taken
-    runs = _query(
-        host_url, "SELECT instance, status FROM scheduler_plugin_runs WHERE name = 'long'"
-    )
+    runs = fetch(host_url, "SELECT instance, status FROM scheduler_plugin_runs WHERE name = 'long'")
     assert (old, "succeeded") not in {(r["instance"], r["status"]) for r in runs}, runs
 
 
@@ -678,7 +633,7 @@ def test_a_slow_lossy_link_leads_or_hands_over_without_overlap(
     log = tmp_path / "effects.jsonl"
     replicas = start_in_namespaces(daemons, net, host_url, ["b0", "b1"], log, timings)
     leader, (standby,) = replicas.leader, replicas.standbys
-    wait_until(lambda: _mid_run(log, leader.name), 20, "the leader in the middle of two runs")
+    wait_mid_run(log, leader.name, {"async", "sync"})
     bad = net.impair(replicas.at, delay_ms=200, jitter_ms=20, loss_pct=5)
     time.sleep(impaired_for)
     good = net.clear(replicas.at)

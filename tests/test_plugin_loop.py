@@ -41,11 +41,7 @@ from scheduler_daemon.plugins.schedule import Cron
 TERMINAL = {"succeeded", "failed", "timed_out", "skipped_overlap", "abandoned"}
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("SCHEDULER_"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_env")  # conftest.py
 
 
 @pytest.fixture(autouse=True)

@@ -25,14 +25,7 @@ from scheduler_daemon.plugins.tasks import load_tasks
 
 EXIT_CONFIG = 78
 
-pytestmark = pytest.mark.processes
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("SCHEDULER_"):
-            monkeypatch.delenv(name)
+pytestmark = [pytest.mark.processes, pytest.mark.usefixtures("clean_env")]  # conftest.py
 
 
 def toml_value(value: Any) -> str:

@@ -59,6 +59,7 @@ from rig.databases import create_database, migrate, run_sync
 from rig.effects import EFFECTS_TARGETS, EffectRun, check_effects, effects_env, read_effects
 from rig.pgcluster import PgCluster, find_pg_bindir
 from rig.processes import DaemonProcess, Daemons, run_cli
+from rig.sql import execute
 from rig.standby import Failover, ReplicatedCluster
 from rig.ticks import FAST_TIMINGS, RIG_APP, event_time
 from rig.waiting import wait_until
@@ -290,7 +291,7 @@ class Run:
         primary = self.cluster.primary_dsn
         run_sync(create_database(primary(), DBNAME))
         migrate(self.dsn())  # the product's own migrate, on the multi-host DSN
-        run_sync(_execute(primary(DBNAME), WORKLOAD_DDL))
+        execute(primary(DBNAME), WORKLOAD_DDL)
         self.timelines.append(Timeline(begins=time.time()))
         self.feeder = Writer(self.dsn(), FEED_STATEMENT, "sql", FEED_EVERY).start()
         for number in range(1, replicas + 1):
@@ -376,14 +377,6 @@ class Run:
 
     def outputs(self) -> str:
         return "".join(p.output() for p in self.replicas.values()) + "".join(self.cli_output)
-
-
-async def _execute(dsn: str, sql: str) -> None:
-    conn = await asyncpg.connect(dsn, server_settings=RIG_APP)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
 
 
 # -- the accounting ---------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import pytest
 from aiohttp import web
 from rig.processes import DaemonProcess, Daemons, run_cli
 from rig.sql import afetch, fetch, scalar
+from rig.waiting import wait_until
 
 from scheduler_daemon.publishers.webhook import verify
 
@@ -27,14 +27,6 @@ def start(daemons: Daemons, url: str, **env: str) -> DaemonProcess:
     process = daemons.start(base | env, args=["run", "--only", "publish"])
     process.wait_for_log("leader.acquired", loop="publish")
     return process
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def schedule(url: str, at: str, payload: dict[str, Any] | None = None, key: str = "") -> int:

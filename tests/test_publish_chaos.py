@@ -12,19 +12,13 @@ import time
 
 import pytest
 from rig.processes import DaemonProcess, Daemons
-from rig.sql import fetch, scalar
+from rig.sql import fetch, leader_of, scalar
 from rig.ticks import FAST_TIMINGS
 
 
-def leader_of(url: str, replicas: dict[str, DaemonProcess]) -> DaemonProcess | None:
-    rows = fetch(
-        url,
-        "SELECT s.instance FROM scheduler_leaders s JOIN pg_locks l ON l.pid = s.backend_pid "
-        "WHERE s.loop = 'publish' AND l.locktype = 'advisory' AND l.granted",
-    )
-    if not rows:
-        return None
-    process = replicas.get(rows[0]["instance"])
+def publish_leader(url: str, replicas: dict[str, DaemonProcess]) -> DaemonProcess | None:
+    """The running process of `replicas` that leads the publish loop, if any."""
+    process = replicas.get(leader_of(url, "publish") or "")
     return process if process is not None and process.poll() is None else None
 
 
@@ -33,7 +27,7 @@ def wait_for_new_leader(
 ) -> DaemonProcess:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        leader = leader_of(url, replicas)
+        leader = publish_leader(url, replicas)
         if leader is not None and leader is not old:
             return leader
         time.sleep(0.05)
@@ -93,7 +87,7 @@ def test_publications_exactly_once_through_kills_and_stalls(
         process.wait_for_log("loop.started", loop="publish")
 
     deadline = time.monotonic() + 30
-    while leader_of(pg_url, replicas) is None and time.monotonic() < deadline:
+    while publish_leader(pg_url, replicas) is None and time.monotonic() < deadline:
         time.sleep(0.05)
     spare = (f"r{n}" for n in range(4, 100))
     events: list[str] = []
@@ -104,7 +98,7 @@ def test_publications_exactly_once_through_kills_and_stalls(
     for action, fraction in actions:
         while published() < rows * fraction:
             time.sleep(0.05)
-        leader = leader_of(pg_url, replicas)
+        leader = publish_leader(pg_url, replicas)
         assert leader is not None
         if action == "kill":
             leader.signal(signal.SIGKILL)

@@ -23,6 +23,7 @@ import asyncpg
 import pytest
 from rig.processes import DaemonProcess, Daemons
 from rig.sql import fetch, scalar
+from rig.waiting import wait_until
 from test_publish import start
 
 from scheduler_daemon.config.settings import Settings
@@ -35,14 +36,6 @@ from scheduler_daemon.metrics import Metrics
 from scheduler_daemon.publishers import Published
 
 # -- helpers ------------------------------------------------------------------------
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def now_sql(url: str) -> str:
@@ -271,10 +264,10 @@ class FakeTx:
             self._check()
             raise
 
-    async def fetch(self, query: str, *args: Any) -> list[dict[str, Any]]:
+    async def query(self, query: str, **params: Any) -> list[dict[str, Any]]:
         self._check()
         assert query == "publication_fail"
-        self.failed[args[0]] = args[1]
+        self.failed[params["id"]] = params["error"]
         return []
 
 
@@ -422,7 +415,7 @@ class ScriptedTx:
         self.seconds_to_next = seconds_to_next
         self.during = during
 
-    async def fetch(self, query: str, *args: Any) -> list[dict[str, Any]]:
+    async def query(self, query: str, **params: Any) -> list[dict[str, Any]]:
         if query == "publish_due":
             self.during()
             return []

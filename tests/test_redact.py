@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from urllib.parse import quote
 
 import pytest
@@ -18,13 +17,7 @@ from scheduler_daemon.db.url import DatabaseUrl
 from scheduler_daemon.errors import ConfigError, describe, explain_timeouts
 from scheduler_daemon.redact import REDACTED, redact, redact_webhook_url
 
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Settings() reads SCHEDULER_* variables: a developer's shell must not leak in.
-    for name in list(os.environ):
-        if name.startswith("SCHEDULER_"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_env")  # conftest.py
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import sqlite3
 import sys
 import textwrap
@@ -27,6 +26,7 @@ from rig.databases import (
 from rig.overlap import find_overlaps
 from rig.pgcluster import PgCluster
 from rig.plugin import ci_is_set
+from rig.ports import free_port
 from rig.processes import Daemons, daemon_env, run_cli, start_replicas
 from rig.tcpproxy import TcpProxy
 
@@ -227,18 +227,11 @@ async def test_proxy_forwards_bulk_both_ways_and_closes_cleanly() -> None:
 
 
 async def test_proxy_passes_on_a_refused_connection() -> None:
-    with TcpProxy("127.0.0.1", _closed_port()) as proxy:
+    with TcpProxy("127.0.0.1", free_port()) as proxy:
         reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
         assert await asyncio.wait_for(reader.read(), 5) == b""
         writer.close()
         await writer.wait_closed()
-
-
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
 
 
 # -- processes ----------------------------------------------------------------------

@@ -32,7 +32,13 @@ from typing import Any
 
 import asyncpg
 import pytest
-from rig.effects import EFFECTS_TARGETS, check_effects, effects_env, read_effects
+from rig.effects import (
+    EFFECTS_TARGETS,
+    check_effects,
+    effects_env,
+    effects_replica_env,
+    read_effects,
+)
 from rig.processes import DaemonProcess, Daemons, daemon_env, run_cli
 from rig.sql import fetch, scalar
 from rig.ticks import (
@@ -335,22 +341,20 @@ def workload_env(url: str, instance: str, effects: Path, **extra: str) -> dict[s
     0.4 s recording its runs outside the database."""
     tasks = [{"name": "probe", "every": "0.4s", "timeout": "20s",
               "target": EFFECTS_TARGETS["async"]}]  # fmt: skip
-    return {
-        "SCHEDULER_DATABASE_URL": url,
-        "SCHEDULER_INSTANCE_ID": instance,
-        **FAST_TIMINGS,
-        "SCHEDULER_PLUGIN__INTERVAL": "0.1",
-        "SCHEDULER_PLUGIN__TASKS": json.dumps(tasks),
-        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
-        "SCHEDULER_PUBLISH__PUBLISHERS": '["sql", "effects"]',
-        "SCHEDULER_PUBLISH__SQL__STATEMENT": (
+    return effects_replica_env(
+        url,
+        instance,
+        effects,
+        tasks,
+        0.3,
+        SCHEDULER_PUBLISH__PUBLISHERS='["sql", "effects"]',
+        SCHEDULER_PUBLISH__SQL__STATEMENT=(
             "INSERT INTO audit SELECT * FROM unnest($1::bigint[], $2::text[])"
         ),
-        "SCHEDULER_PUBLISH__SQL__PARAMS": '["id", "key"]',
-        **effects_env(effects, 0.3),
-        "EFFECTS_PUBLISH_SECONDS": "0.02",
+        SCHEDULER_PUBLISH__SQL__PARAMS='["id", "key"]',
+        EFFECTS_PUBLISH_SECONDS="0.02",
         **extra,
-    }
+    )
 
 
 @pytest.mark.postgres

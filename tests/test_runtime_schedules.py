@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import secrets
 from collections.abc import AsyncIterator, Iterator
@@ -49,11 +48,7 @@ SLOW = "plugin_targets:slow"  # an async target that takes 1.5 s
 TICK = "plugin_targets:tick"
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("SCHEDULER_"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_env")  # conftest.py
 
 
 @pytest.fixture(autouse=True)

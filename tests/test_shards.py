@@ -35,6 +35,7 @@ from rig.effects import (
     per_schedule,
     per_shard,
     read_effects,
+    wait_mid_run,
 )
 from rig.pgcluster import PgCluster
 from rig.processes import DaemonProcess, Daemons, run_cli
@@ -107,17 +108,6 @@ def all_led_by(url: str, members: set[str], what: str, timeout: float = 30.0) ->
     return time.monotonic() - started
 
 
-def mid_run(log: Path, instance: str) -> None:
-    def going() -> bool:
-        now = time.time()
-        return any(
-            run.instance == instance and run.outcome == "killed" and now - run.end < 0.05
-            for run in read_effects(log)
-        )
-
-    wait_until(going, 20, f"{instance} in the middle of a run")
-
-
 def test_shards_keep_every_promise_per_schedule_through_join_leave_kill_freeze_and_restart(
     pg_cluster: PgCluster, pg_url: str, daemons: Daemons, tmp_path: Path
 ) -> None:
@@ -141,12 +131,12 @@ def test_shards_keep_every_promise_per_schedule_through_join_leave_kill_freeze_a
     taken["leave"] = all_led_by(pg_url, {"r2", "r3", "r4"}, "r1 left")
     time.sleep(1.0)
 
-    mid_run(log, "r2")
+    wait_mid_run(log, "r2")
     r2.signal(signal.SIGKILL)
     taken["kill"] = all_led_by(pg_url, {"r3", "r4"}, "r2 killed")
     time.sleep(1.0)
 
-    mid_run(log, "r3")
+    wait_mid_run(log, "r3")
     frozen_at = time.time()
     r3.signal(signal.SIGSTOP)
     taken["evicted"] = all_led_by(pg_url, {"r4"}, "r3 frozen and evicted")

@@ -28,6 +28,7 @@ T = TypeVar("T")
 
 # Names the rig's own sessions in pg_stat_activity, so a leak report never blames it.
 RIG_APPLICATION_NAME = "scheduler-test-rig"
+RIG_APP = {"application_name": RIG_APPLICATION_NAME}  # asyncpg's server_settings for it
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,13 @@ def replace_user(dsn: str, user: str) -> str:
 
 def new_database_name(prefix: str = "t_") -> str:
     return f"{prefix}{secrets.token_hex(6)}"
+
+
+def with_user(dsn: str, user: str, password: str | None = None) -> str:
+    """`dsn` logging in as `user` (with `password`, if given) instead."""
+    parts = urlsplit(dsn)
+    userinfo = user if password is None else f"{user}:{password}"
+    return urlunsplit(parts._replace(netloc=f"{userinfo}@{parts.hostname}:{parts.port}"))
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:

@@ -19,14 +19,16 @@ they are reported, measured and bounded by the test rather than silently ignored
 from __future__ import annotations
 
 import json
+import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rig.overlap import find_overlaps
-from rig.ticks import assert_enough, stamp
+from rig.ticks import FAST_TIMINGS, assert_enough, stamp
+from rig.waiting import wait_until
 
 EFFECTS_TARGETS = {
     "async": "scheduler_sample_plugin.effects:probe_async",
@@ -68,6 +70,30 @@ def effects_env(log: Path, seconds: float = 0.3) -> dict[str, str]:
     return {"EFFECTS_LOG": str(log), "EFFECTS_SECONDS": f"{seconds:g}"}
 
 
+def effects_replica_env(
+    url: str,
+    instance: str,
+    log: Path,
+    tasks: list[dict[str, str]],
+    seconds: float = 0.3,
+    timings: Mapping[str, str] = FAST_TIMINGS,
+    **extra: str,
+) -> dict[str, str]:
+    """A replica of `url` named `instance`, with the suite's fast `timings`, whose plugin
+    loop ticks every 0.1 s and runs `tasks` (the built-in purge off), their effects probes
+    working `seconds` and writing to `log`; then `extra` on top."""
+    return {
+        "SCHEDULER_DATABASE_URL": url,
+        "SCHEDULER_INSTANCE_ID": instance,
+        **timings,
+        "SCHEDULER_PLUGIN__INTERVAL": "0.1",
+        "SCHEDULER_PLUGIN__TASKS": json.dumps(tasks),
+        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
+        **effects_env(log, seconds),
+        **extra,
+    }
+
+
 def read_effects(log: Path) -> list[EffectRun]:
     try:
         lines = log.read_text().splitlines()
@@ -99,6 +125,37 @@ def read_effects(log: Path) -> list[EffectRun]:
         )
     runs.sort(key=lambda r: (r.start, r.end))
     return runs
+
+
+def runs_of(log: Path, instance: str) -> list[EffectRun]:
+    """`instance`'s runs, in start order."""
+    return [run for run in read_effects(log) if run.instance == instance]
+
+
+def in_progress(log: Path, instance: str, started: float = 0.1) -> set[str]:
+    """The kinds of `instance`'s runs going on right now: no final record yet, a beat
+    (every 10 ms) within the last 0.1 s, begun at least `started` s ago."""
+    now = time.time()
+    return {
+        run.kind
+        for run in runs_of(log, instance)
+        if run.outcome == "killed" and now - run.start > started and now - run.end < 0.1
+    }
+
+
+def wait_mid_run(
+    log: Path, instance: str, kinds: Collection[str] = (), timeout: float = 20.0
+) -> None:
+    """Wait until `instance` is in the middle of a run of each of `kinds` (of some run,
+    if none are named): a fault injected now lands inside work."""
+    wanted = set(kinds)
+
+    def going() -> bool:
+        found = in_progress(log, instance)
+        return bool(found) and wanted <= found
+
+    what = f"{sorted(wanted)} runs" if wanted else "a run"
+    wait_until(going, timeout, f"{instance} to be in the middle of {what}")
 
 
 def per_schedule(run: EffectRun) -> str:

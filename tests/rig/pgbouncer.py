@@ -19,6 +19,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from rig.ports import free_port
+
 # asyncpg sends these as startup parameters (the daemon's server_settings). PgBouncer
 # only passes on a few it tracks and refuses a connection that sends any other, unless
 # told to ignore it. A deployment behind PgBouncer needs the same line.
@@ -33,13 +35,6 @@ def find_pgbouncer() -> str | None:
         (p for p in ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer") if os.access(p, os.X_OK)),
         None,
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class PgBouncer:
@@ -59,7 +54,7 @@ class PgBouncer:
         self.target_port = target_port
         self.pool_mode = pool_mode
         self.pool_size = pool_size
-        self.port = _free_port()
+        self.port = free_port()
         self.directory = Path(tempfile.mkdtemp(prefix="scheduler-pgbouncer-"))
         self._process: subprocess.Popen[bytes] | None = None
 

@@ -23,7 +23,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -32,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Literal, Self, TypedDict
+
+from rig.ports import free_port
 
 StopMode = Literal["smart", "fast", "immediate"]
 
@@ -112,13 +113,6 @@ def _server_os_user() -> _OsUser | None:
             "running as root, and initdb/postgres refuse root: create a 'postgres' OS user"
         ) from None
     return _OsUser(entry.pw_uid, entry.pw_gid)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class PgCluster:
@@ -213,7 +207,7 @@ class PgCluster:
         # A port that was free when probed can be taken before the postmaster binds it;
         # only the first start may move to another one (later ones keep the DSN stable).
         for attempt in range(3):
-            port = _free_port()
+            port = free_port()
             try:
                 self._launch(port, tcp=tcp)
             except PgClusterError:

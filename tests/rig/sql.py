@@ -18,7 +18,7 @@ from typing import Any
 import aiosqlite
 import asyncpg
 
-from rig.databases import run_sync
+from rig.databases import RIG_APP, run_sync
 from scheduler_daemon.db.sqlite import from_db_row, to_db_value
 from scheduler_daemon.db.url import DatabaseUrl
 
@@ -54,7 +54,7 @@ ORDER BY l.granted DESC
 async def afetch(url: str, sql: str, *params: Any) -> list[dict[str, Any]]:
     if url.startswith("sqlite"):
         return await asyncio.to_thread(_sqlite_fetch, url, sql, params)
-    conn = await asyncpg.connect(url)
+    conn = await asyncpg.connect(url, server_settings=RIG_APP)
     try:
         return [dict(row) for row in await conn.fetch(sql, *params)]
     finally:
@@ -68,17 +68,45 @@ def fetch(url: str, sql: str, *params: Any, timeout: float | None = None) -> lis
     return run_sync(asyncio.wait_for(afetch(url, sql, *params), timeout))
 
 
-def execute(url: str, sql: str) -> None:
-    """Run a script of several statements (PostgreSQL; ``fetch`` takes one)."""
+async def aexecute(url: str, *scripts: str) -> None:
+    """Run each of `scripts` (one statement, or several without parameters) in turn, on one
+    connection (PostgreSQL; ``fetch`` takes one statement with parameters)."""
+    conn = await asyncpg.connect(url, server_settings=RIG_APP)
+    try:
+        for script in scripts:
+            await conn.execute(script)
+    finally:
+        await conn.close()
 
-    async def go() -> None:
-        conn = await asyncpg.connect(url)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
 
-    asyncio.run(go())
+def execute(url: str, *scripts: str) -> None:
+    """`aexecute` for sync tests and fixtures."""
+    run_sync(aexecute(url, *scripts))
+
+
+def lock_backend(url: str, instance: str, loop: str = "plugin") -> int:
+    """The pid of the backend of `instance`'s lock session for `loop`, which holds a
+    granted advisory lock (the leader's); fails unless there is exactly one."""
+    rows = fetch(
+        url,
+        "SELECT DISTINCT a.pid FROM pg_stat_activity a JOIN pg_locks l ON l.pid = a.pid "
+        "AND l.locktype = 'advisory' AND l.granted WHERE a.application_name = $1",
+        f"scheduler-daemon/{instance}/lock:{loop}",
+    )
+    assert len(rows) == 1, (instance, loop, rows)
+    pid: int = rows[0]["pid"]
+    return pid
+
+
+def leader_of(url: str, loop: str) -> str | None:
+    """The instance holding `loop`'s lock, by the lock manager (pg_locks) and its row."""
+    leader: str | None = scalar(
+        url,
+        "SELECT s.instance FROM scheduler_leaders s JOIN pg_locks l ON l.pid = s.backend_pid "
+        "AND l.locktype = 'advisory' AND l.granted WHERE s.loop = $1",
+        loop,
+    )
+    return leader
 
 
 def scalar(url: str, sql: str, *params: Any) -> Any:

@@ -52,7 +52,7 @@ from typing import Any, Self
 
 import asyncpg
 
-from rig.databases import RIG_APPLICATION_NAME, run_sync
+from rig.databases import RIG_APP, run_sync
 from rig.pgcluster import PgCluster, PgClusterError
 from rig.tcpproxy import TcpProxy
 
@@ -72,7 +72,6 @@ REPLICATION_SETTINGS: Mapping[str, str] = {
 
 NODE_NAMES = ("node1", "node2")
 _REPLICATION_HBA = re.compile(r"^host\s+replication\s+all\s+127\.0\.0\.1/32\s+trust\s*$", re.M)
-RIG_APP = {"application_name": RIG_APPLICATION_NAME}
 _POLL = 0.01
 
 # pg_waldump's line for a commit record (TZ=UTC), e.g.

@@ -34,6 +34,7 @@ from typing import Any
 
 import asyncpg
 
+from rig.databases import RIG_APP
 from rig.overlap import find_overlaps
 from rig.processes import DaemonProcess
 
@@ -56,8 +57,6 @@ CREATE TABLE tick_log (
     ended    text
 )
 """
-
-RIG_APP = {"application_name": "scheduler-test-rig"}
 
 
 def pg_probe_sql(sleep: float = 0.05, instance: str | None = None) -> str:

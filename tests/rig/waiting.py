@@ -10,7 +10,12 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_until(condition: Callable[[], T], timeout: float, what: str, every: float = 0.02) -> T:
+def wait_until(
+    condition: Callable[[], T],
+    timeout: float = 30.0,
+    what: str = "a condition",
+    every: float = 0.02,
+) -> T:
     """The first truthy value of ``condition()``, asked every `every` seconds; fails the
     test with `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
