@@ -316,19 +316,30 @@ def test_sql_that_drops_the_lock_cannot_end_the_fence(
     )
     second.wait_for_log("leader.waiting", loop="plugin")
     first.wait_for_log("leader.lock_restored", loop="plugin")
-    time.sleep(3.0)
+
+    def counts() -> dict[tuple[str, str], int]:
+        rows = fetch(
+            pg_url, "SELECT name, status, count(*) AS n FROM scheduler_plugin_runs GROUP BY 1, 2"
+        )
+        return {(row["name"], row["status"]): row["n"] for row in rows}
+
+    # Every unlock_all below is a moment the waiting standby would be granted the lock.
+    wanted = {("commits", "succeeded"): 3, ("fails", "failed"): 2, ("cancelled", "timed_out"): 2}
+    wait_until(
+        lambda: (
+            all(counts().get(key, 0) >= n for key, n in wanted.items())
+            and len(read_effects(log)) >= 5
+        ),
+        30,
+        f"runs that unlock_all: {wanted}, and five runs of the async task",
+    )
     acquired = [e for e in second.log_events() if e.get("event") == "leader.acquired"]
     lost = [e for e in first.log_events() if e.get("event") == "leader.lost"]
     stop_all([first, second])
     assert acquired == [], acquired
     assert lost == [], lost
-    rows = fetch(
-        pg_url, "SELECT name, status, count(*) AS n FROM scheduler_plugin_runs GROUP BY 1, 2"
-    )
-    counts = {(row["name"], row["status"]): row["n"] for row in rows}
-    assert counts.get(("commits", "succeeded"), 0) >= 3, counts
-    assert counts.get(("fails", "failed"), 0) >= 2, counts
-    assert counts.get(("cancelled", "timed_out"), 0) >= 2, counts
+    counted = counts()
+    assert all(counted.get(key, 0) >= n for key, n in wanted.items()), counted
     check_effects(read_effects(log), min_runs=5)
 
 
@@ -351,7 +362,8 @@ def test_a_run_that_swallows_cancellation_ends_its_process_not_the_exclusion(
     second = daemons.start(
         effects_replica_env(pg_url, "w2", log, tasks, 4.0, **env), PLUGIN_ONLY, "w2"
     )
-    time.sleep(1.0)
+    # Competing before the cut: queued on the lock (session), or ticking (transaction).
+    second.wait_for_log("leader.waiting" if mode == "session" else "loop.started", loop="plugin")
     holder = fetch(
         pg_url,
         "SELECT l.pid FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
@@ -493,7 +505,11 @@ def test_sqlite_three_processes_never_overlap_outside_the_database(
     wait_mid_run(log, "q1", {"sync"})
     first.kill()
     wait_until(lambda: any(r.instance != "q1" for r in read_effects(log)), 20, "a new leader")
-    time.sleep(2.0)
+    wait_until(
+        lambda: sum(r.instance != "q1" for r in read_effects(log)) >= 6,
+        30,
+        "six runs by the new leader",
+    )
     stop_all(others)
     check_effects(read_effects(log), min_runs=8, min_instances=2)
 

@@ -43,6 +43,7 @@ from rig.ticks import (
     python_ticks,
     stop_all,
     wait_for_event,
+    wait_for_ticks,
 )
 from rig.waiting import wait_until
 
@@ -122,7 +123,7 @@ def test_sigkill_of_the_leader_hands_the_lock_to_a_waiting_standby(
     )
     standbys_waiting(pg_url, DEFAULT_PLUGIN_KEY, 2)
     old_backend = fetch(pg_url, LOCK_HOLDERS, DEFAULT_PLUGIN_KEY)[0]["pid"]
-    time.sleep(2)
+    wait_for_ticks(pg_url, 8, instance="k1")
 
     killed_at, granted_at = run_sync(
         kill_and_watch(
@@ -136,7 +137,7 @@ def test_sigkill_of_the_leader_hands_the_lock_to_a_waiting_standby(
     assert leader.wait(5) == -signal.SIGKILL
     assert takeover < 5000
 
-    time.sleep(2)
+    wait_for_ticks(pg_url, 7, instance=successor.name)
     stop_all(standbys)
     summary = assert_no_overlap(run_sync(pg_ticks(pg_url)), min_ticks=15, min_instances=2)
     assert set(summary["plugin"]) == {"k1", successor.name}
@@ -159,7 +160,7 @@ def test_sigterm_hands_over_at_once_and_leaves_no_lock_behind(
         leader.wait_for_log("leader.acquired", loop=loop)
     for key in (DEFAULT_PUBLISH_KEY, DEFAULT_PLUGIN_KEY):
         standbys_waiting(pg_url, key, 2)
-    time.sleep(1.5)
+    wait_for_ticks(pg_url, 5, instance="g1")
 
     stopped_at = time.time()
     leader.signal(signal.SIGTERM)
@@ -181,7 +182,7 @@ def test_sigterm_hands_over_at_once_and_leaves_no_lock_behind(
             continue
     else:
         pytest.fail("no standby took over the publish loop")
-    time.sleep(1.5)
+    wait_for_ticks(pg_url, 5, instance=successor.name)
 
     stop_all(standbys)
     assert_no_overlap(run_sync(pg_ticks(pg_url)), min_ticks=10, min_instances=2)
@@ -213,7 +214,7 @@ def test_a_frozen_leader_is_evicted_and_its_work_in_flight_never_commits(
         leader_first=True,
     )
     standbys_waiting(pg_url, DEFAULT_PLUGIN_KEY, 2)
-    time.sleep(1.5)
+    wait_for_ticks(pg_url, 3, instance="f1")
 
     # Freeze the leader in the middle of a probe run (its backend is in pg_sleep).
     in_sleep = """
@@ -253,7 +254,8 @@ def test_a_frozen_leader_is_evicted_and_its_work_in_flight_never_commits(
         assert evicted["stall_timeout"] == STALL_TIMEOUT
         assert evictor is successor
         assert STALL_TIMEOUT - 1 <= eviction < STALL_TIMEOUT + 5
-        time.sleep(1.5)  # the new leader works while the old one is still frozen
+        # The new leader works while the old one is still frozen.
+        wait_for_ticks(pg_url, 3, instance=successor.name, since=stopped_at)
     finally:
         resumed_at = time.time()
         leader.signal(signal.SIGCONT)
@@ -275,7 +277,7 @@ def test_a_frozen_leader_is_evicted_and_its_work_in_flight_never_commits(
         15,
         "the old leader waiting behind the new one",
     )
-    time.sleep(1)
+    wait_for_ticks(pg_url, 2, instance=successor.name, since=time.time())
     stop_all([leader, *standbys])
 
     ticks = run_sync(pg_ticks(pg_url))
@@ -326,7 +328,7 @@ def test_postgres_restart_all_replicas_reconnect_and_reelect_one_leader(
     replicas = [daemons.start(pg_env(pg_url, n), name=n) for n in sorted(names)]
     first_leader(replicas)
     wait_until(lambda: one_leader_two_standbys(pg_url, names), 30, "1 leader + 2 standbys")
-    time.sleep(1.5)
+    wait_for_ticks(pg_url, 8)
 
     restarted_at = time.time()
     pg_cluster.restart()  # fast shutdown: every session is terminated
@@ -359,7 +361,7 @@ def test_postgres_restart_all_replicas_reconnect_and_reelect_one_leader(
     # pg_locks shows the grant before the new leader logs it: a new leader whose
     # predecessor is alive (reconnected) waits stop_grace + 0.5 s before it works and logs.
     wait_until(reacquired, 10, "leader.acquired logged after the restart")
-    time.sleep(2)
+    wait_for_ticks(pg_url, 7, since=restarted_at + restart_took)
     stop_all(replicas)
 
     ticks = run_sync(pg_ticks(pg_url))
@@ -388,7 +390,7 @@ def test_a_leader_cut_off_silently_steps_down_and_a_standby_takes_over(
         leader_first=True,
     )
     standbys_waiting(pg_url, DEFAULT_PLUGIN_KEY, 2)
-    time.sleep(1.5)
+    wait_for_ticks(pg_url, 5, instance="c1")
 
     frozen_at = time.time()
     tcp_proxy.freeze()
@@ -402,7 +404,7 @@ def test_a_leader_cut_off_silently_steps_down_and_a_standby_takes_over(
     # Stepped down within two heartbeats (+ slack), before anyone else could lead.
     assert step_down < 2 * HEARTBEAT + 1.5
     assert event_time(lost) < event_time(acquired)
-    time.sleep(1.5)
+    wait_for_ticks(pg_url, 5, instance=successor.name)
 
     tcp_proxy.thaw()
     stop_all([leader, *standbys])
@@ -423,14 +425,14 @@ def test_sqlite_holder_killed_the_kernel_frees_its_flock(
         PLUGIN_ONLY,
         leader_first=True,
     )
-    time.sleep(1.5)
+    wait_for_ticks(probe_log, 5, instance="q1")
     killed_at = time.time()
     leader.signal(signal.SIGKILL)
     successor, acquired = next_leader(standbys, since=killed_at)
     takeover = (event_time(acquired) - killed_at) * 1000
     print(f"\nSQLite: takeover after SIGKILL of the flock holder: {takeover:.0f} ms")
     assert takeover < 5000
-    time.sleep(1.5)
+    wait_for_ticks(probe_log, 5, instance=successor.name)
     stop_all(standbys)
     summary = assert_no_overlap(python_ticks(probe_log), min_ticks=10, min_instances=2)
     assert set(summary["plugin"]) == {"q1", successor.name}
@@ -483,7 +485,9 @@ def test_transaction_mode_behind_pgbouncer_excludes(
         for n in ("b1", "b2")
     ]
     first_leader(replicas)
-    time.sleep(4)
+    wait_for_ticks(pg_url, 12)
+    for name in ("b1", "b2"):  # per tick, the work moves: both do some
+        wait_for_ticks(pg_url, 1, instance=name)
     stop_all(replicas)
     summary = assert_no_overlap(run_sync(pg_ticks(pg_url)), min_ticks=12, min_instances=2)
     print(f"\nPgBouncer transaction pooling, 2 replicas: ticks per instance {summary['plugin']}")

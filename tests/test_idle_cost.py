@@ -111,10 +111,13 @@ def test_an_idle_plugin_leader_sleeps_until_its_slot_yet_hears_trigger_and_resum
     """plugin.interval 30 s: a leader that polled would start a triggered run up to
     30 s (and, sleeping until its yearly slot, up to a minute) late."""
     url = logged_url[0]
-    env = replica_env(url, "wakeup-1", SCHEDULER_PLUGIN__INTERVAL="30s")
+    env = replica_env(
+        url, "wakeup-1", SCHEDULER_PLUGIN__INTERVAL="30s", SCHEDULER_LOG__LEVEL="debug"
+    )
     leader = daemons.start(env, PLUGIN_ONLY, name="wakeup-1")
-    wait_for_event(leader, "leader.acquired", loop="plugin")
-    time.sleep(3.0)
+    acquired = wait_for_event(leader, "leader.acquired", loop="plugin")
+    # Its first tick done, the leader sleeps until its next slot (or 30 s).
+    wait_for_event(leader, "tick.done", after=event_time(acquired), loop="plugin")
     runs = [e for e in leader.log_events() if e.get("event") == "task.started"]
     assert [e for e in runs if e.get("task") == "yearly"] == []
 

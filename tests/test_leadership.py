@@ -41,7 +41,9 @@ from rig.ticks import (
     sqlite_tick_count,
     stop_all,
     wait_for_event,
+    wait_for_ticks,
 )
+from rig.waiting import wait_until
 
 from scheduler_daemon.config.values import (
     DEFAULT_PLUGIN_KEY,
@@ -114,13 +116,15 @@ def test_overlap_checker_catches_overlaps_and_refuses_thin_data() -> None:
 # -- 1. mutual exclusion ----------------------------------------------------------------
 
 
-def _hand_over(processes: list[DaemonProcess], leader: DaemonProcess) -> None:
-    """SIGTERM the leader halfway: a run whose handover moment is checked too."""
+def _hand_over(processes: list[DaemonProcess], leader: DaemonProcess) -> float:
+    """SIGTERM the leader halfway: a run whose handover moment is checked too. Returns
+    when it was stopped."""
     stopped_at = time.time()
     leader.signal(signal.SIGTERM)
     assert leader.wait(30) == 0, leader.output()[-3000:]
     successors = [p for p in processes if p is not leader]
     first_leader_since(successors, stopped_at)
+    return stopped_at
 
 
 def first_leader_since(processes: list[DaemonProcess], since: float) -> DaemonProcess:
@@ -143,9 +147,9 @@ def test_five_replicas_session_mode_never_overlap(pg_url: str, daemons: Daemons)
         daemons.start(pg_env(pg_url, f"r{n}"), PLUGIN_ONLY, name=f"r{n}") for n in range(1, 6)
     ]
     leader = first_leader(replicas)
-    time.sleep(3)
-    _hand_over(replicas, leader)
-    time.sleep(3)
+    wait_for_ticks(pg_url, 10, instance=leader.name)
+    handed_over = _hand_over(replicas, leader)
+    wait_for_ticks(pg_url, 10, since=handed_over)
     stop_all(replicas)
 
     summary = assert_no_overlap(run_sync(pg_ticks(pg_url)), min_ticks=20, min_instances=2)
@@ -163,7 +167,7 @@ def test_five_replicas_transaction_mode_never_overlap(pg_url: str, daemons: Daem
         for n in range(1, 6)
     ]
     first_leader(replicas)
-    time.sleep(6)
+    wait_for_ticks(pg_url, 20)
     stop_all(replicas)
     # Not sticky: every tick competes afresh, so the work moves between replicas.
     ticks = run_sync(pg_ticks(pg_url))
@@ -206,9 +210,10 @@ def test_three_processes_on_one_sqlite_file_never_overlap(
         for n in range(1, 4)
     ]
     leader = first_leader(replicas)
-    time.sleep(3)
-    _hand_over(replicas, leader)
-    time.sleep(3)
+    wait_for_ticks(probe_log, 10, instance=leader.name)
+    handed_over = _hand_over(replicas, leader)
+    wait_for_ticks(probe_log, 10, since=handed_over)
+    wait_until(lambda: sqlite_tick_count(database) >= 25, 30, "25 runs of the SQL task")
     stop_all(replicas)
 
     summary = assert_no_overlap(python_ticks(probe_log), min_ticks=20, min_instances=2)
@@ -234,20 +239,13 @@ def test_healthy_work_longer_than_stall_timeout_is_not_evicted(
     }
     replicas = [daemons.start(pg_env(pg_url, n, **env), PLUGIN_ONLY, name=n) for n in ("w1", "w2")]
     first_leader(replicas)
-    wait_until_ticks(pg_url, 1, timeout=20)
+    wait_for_ticks(pg_url, 1, timeout=20)
     stop_all(replicas)
     for replica in replicas:
         evictions = [e for e in replica.log_events() if e["event"] == "leader.evicted"]
         assert not evictions, evictions
     assert_no_overlap(run_sync(pg_ticks(pg_url)), min_ticks=1)
     assert [r["status"] for r in run_sync(probe_runs(pg_url))] == ["succeeded"]
-
-
-def wait_until_ticks(dsn: str, count: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while len(run_sync(pg_ticks(dsn))) < count:
-        assert time.monotonic() < deadline, f"fewer than {count} probe runs in {timeout}s"
-        time.sleep(0.2)
 
 
 # -- 2. the pool trap -------------------------------------------------------------------

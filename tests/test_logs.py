@@ -23,6 +23,7 @@ from rig.pgcluster import PgCluster
 from rig.processes import Daemons
 from rig.tcpproxy import TcpProxy
 from rig.ticks import create_tick_log, event_time, pg_env
+from rig.waiting import wait_until
 
 from scheduler_daemon.config.settings import LogSettings
 from scheduler_daemon.logs import configure_logging, get_logger
@@ -161,7 +162,13 @@ def test_a_debug_daemon_on_sqlite_shows_its_own_events_not_the_libraries(
     loud = daemons.start({**env, "SCHEDULER_LOG__DEBUG_LIBRARIES": "true"}, name="loud")
     for daemon in (quiet, loud):
         daemon.wait_for_log("daemon.started")
-    time.sleep(3)
+    # As long as the loud one takes to write a few libraries' debug lines, which the quiet
+    # one, doing the same, would have written too.
+    wait_until(
+        lambda: sum("logger" in e and e.get("level") == "debug" for e in loud.log_events()) >= 5,
+        30,
+        "five debug lines of the libraries from the loud daemon",
+    )
     counts: dict[str, tuple[int, int, int]] = {}
     for daemon in (quiet, loud):
         daemon.wait_for_log("tick.done", loop="publish")

@@ -460,7 +460,8 @@ async def test_auto_pause_after_consecutive_failures(
 
         await until(paused, "the failing task to be paused")
         healthy_before = (await db.statuses("healthy"))["succeeded"]
-        await asyncio.sleep(1.0)  # three periods: a paused task does not run
+        # Three periods, by the healthy task's runs: a paused task does not run.
+        await at_least(db, "healthy", "succeeded", healthy_before + 3)
         assert await db.statuses("flaky") == Counter(failed=3)
         assert (await db.statuses("healthy"))["succeeded"] > healthy_before
         [paused_event] = events(logs, "task.auto_paused", task="flaky")

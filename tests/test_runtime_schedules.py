@@ -382,7 +382,11 @@ async def test_removed_while_running_ends_normally_and_never_runs_again(
 
         await until(finished, "the removed schedule's run to end")
         declared_before = len(await runs(database_url, "declared"))
-        await asyncio.sleep(1.0)  # three periods of the removed schedule
+
+        async def three_periods() -> bool:  # the declared task's runs: the same period
+            return len(await runs(database_url, "declared")) >= declared_before + 3
+
+        await until(three_periods, "three periods of the removed schedule")
         after = await runs(database_url, "slowpoke")
         assert [r["id"] for r in after] == [r["id"] for r in at_removal], "scheduled again"
         [ended] = [r for r in after if r["id"] == running_run["id"]]

@@ -108,6 +108,18 @@ def all_led_by(url: str, members: set[str], what: str, timeout: float = 30.0) ->
     return time.monotonic() - started
 
 
+def work_by(log: Path, members: set[str], runs: int = 3) -> None:
+    """Wait until each of `members` has begun `runs` runs from now on: every configuration
+    of the cluster does work that the checks below then cover."""
+    since = time.time()
+
+    def done() -> bool:
+        begun = Counter(r.instance for r in read_effects(log) if r.start >= since)
+        return all(begun[member] >= runs for member in members)
+
+    wait_until(done, 30, f"{runs} runs by each of {sorted(members)}")
+
+
 def test_shards_keep_every_promise_per_schedule_through_join_leave_kill_freeze_and_restart(
     pg_cluster: PgCluster, pg_url: str, daemons: Daemons, tmp_path: Path
 ) -> None:
@@ -118,29 +130,29 @@ def test_shards_keep_every_promise_per_schedule_through_join_leave_kill_freeze_a
 
     r1, r2, r3 = start("r1"), start("r2"), start("r3")
     taken = {"start": all_led_by(pg_url, {"r1", "r2", "r3"}, "three members")}
-    time.sleep(1.0)
+    work_by(log, {"r1", "r2", "r3"})
 
     r4 = start("r4")
     joined = time.monotonic()
     taken["join"] = all_led_by(pg_url, {"r1", "r2", "r3", "r4"}, "r4 joined")
     print(f"\nr4 led its share {time.monotonic() - joined:.2f}s after it was started")
-    time.sleep(1.0)
+    work_by(log, {"r1", "r2", "r3", "r4"})
 
     r1.signal(signal.SIGTERM)  # a graceful leave, runs in flight
     assert r1.wait(30) == 0, r1.output()[-3000:]
     taken["leave"] = all_led_by(pg_url, {"r2", "r3", "r4"}, "r1 left")
-    time.sleep(1.0)
+    work_by(log, {"r2", "r3", "r4"})
 
     wait_mid_run(log, "r2")
     r2.signal(signal.SIGKILL)
     taken["kill"] = all_led_by(pg_url, {"r3", "r4"}, "r2 killed")
-    time.sleep(1.0)
+    work_by(log, {"r3", "r4"})
 
     wait_mid_run(log, "r3")
     frozen_at = time.time()
     r3.signal(signal.SIGSTOP)
     taken["evicted"] = all_led_by(pg_url, {"r4"}, "r3 frozen and evicted")
-    time.sleep(0.5)
+    work_by(log, {"r4"})  # while r3 is still frozen
     resumed_at = time.time()
     r3.signal(signal.SIGCONT)
     wait_for_event(r3, "leader.lost", after=frozen_at, loop="plugin", timeout=15)
@@ -153,11 +165,11 @@ def test_shards_keep_every_promise_per_schedule_through_join_leave_kill_freeze_a
     assert (plugin["shards"], plugin["member_count"], plugin["balance"]["unled"]) == (SHARDS, 2, 0)
     assert sorted(m["instance"] for m in plugin["members"]) == ["r3", "r4"]
     assert {o["shard"]: o["instance"] for o in plugin["shard_owners"]} == owners(pg_url)
-    time.sleep(1.0)
+    work_by(log, {"r3", "r4"})
 
     pg_cluster.restart()  # every session ends: every member joins again, tokens move on
     taken["pg_restart"] = all_led_by(pg_url, {"r3", "r4"}, "after a PostgreSQL restart", 60)
-    time.sleep(1.0)
+    work_by(log, {"r3", "r4"})
 
     # Another shard count never shares the loop: it waits, and says why.
     other = start("r5", shards=4)

@@ -39,6 +39,7 @@ from rig.ticks import (
     python_ticks,
     stop_all,
     wait_for_event,
+    wait_for_ticks,
 )
 
 from scheduler_daemon.config.settings import Settings
@@ -147,7 +148,9 @@ def test_two_paths_to_one_sqlite_file_elect_one_leader(
     leader = first_leader(replicas)
     (standby,) = (replica for replica in replicas if replica is not leader)
     waiting = standby.wait_for_log("leader.waiting", loop="plugin")
-    time.sleep(2.5)  # both running side by side: the standby must stay a standby
+    # Side by side, the standby stays a standby while the leader works (four runs of 0.3 s:
+    # more than two heartbeats, at which the leader looks at its path again).
+    wait_for_ticks(probe_log, 4, instance=leader.name, since=event_time(waiting))
 
     assert _held(expected_lock)
     assert _lock_files(tmp_path) == {expected_lock}  # none next to the alias
@@ -163,7 +166,7 @@ def test_two_paths_to_one_sqlite_file_elect_one_leader(
     taken = wait_for_event(standby, "leader.acquired", after=handed_over_at, loop="plugin")
     assert taken["lock_file"] == str(expected_lock)
     takeover = (event_time(taken) - handed_over_at) * 1000
-    time.sleep(1.5)
+    wait_for_ticks(probe_log, 4, instance=standby.name)
     stop_all([standby])
 
     summary = assert_no_overlap(python_ticks(probe_log), min_ticks=8, min_instances=2)
@@ -222,7 +225,7 @@ def test_a_database_renamed_or_replaced_under_its_leader_keeps_one_leader(
     ), reason
     assert len(_plugin_events(first, "leader.acquired")) == 1  # never led again
     waited = second.wait_for_log("leader.waiting", loop="plugin")
-    time.sleep(1.0)
+    wait_for_ticks(probe_log, 3, instance="second")
     stop_all([second])
 
     summary = assert_no_overlap(python_ticks(probe_log), min_ticks=4, min_instances=2)
@@ -261,17 +264,18 @@ def test_a_lock_file_removed_under_its_leader_keeps_one_leader(
     newcomer.wait_for_log("leader.waiting", loop="plugin")
     restored = wait_for_event(leader, "leader.lock_file_restored", after=removed_at, loop="plugin")
     assert _held(lock)
-    time.sleep(1.0)  # all three side by side: the two others must stay standbys
+    # All three side by side: the two others stay standbys while the leader works on.
+    wait_for_ticks(probe_log, 3, instance="a", since=event_time(restored))
     assert _lock_files(tmp_path) == {lock}
 
     leader.signal(signal.SIGTERM)
     assert leader.wait(30) == 0, leader.output()[-3000:]
     second = first_leader([standby, newcomer])
-    time.sleep(1.0)
+    wait_for_ticks(probe_log, 2, instance=second.name)
     second.kill()
     (third,) = (p for p in (standby, newcomer) if p is not second)
     first_leader([third])
-    time.sleep(1.0)
+    wait_for_ticks(probe_log, 2, instance=third.name)
     stop_all([third])
 
     summary = assert_no_overlap(python_ticks(probe_log), min_ticks=6, min_instances=3)
@@ -340,12 +344,13 @@ def test_bind_mounts_a_mounted_directory_shares_the_locks_a_mounted_file_is_refu
         daemon_env(_replica(env, mounts / "dir" / "scheduler.db", "mounted")),
         name="mounted",
     )
-    mounted.wait_for_log("leader.waiting", loop="plugin")
-    time.sleep(1.0)  # side by side: the mounted one must stay a standby
+    waiting = mounted.wait_for_log("leader.waiting", loop="plugin")
+    # Side by side, the mounted one stays a standby while the leader works.
+    wait_for_ticks(probe_log, 3, instance="direct", since=event_time(waiting))
     direct.signal(signal.SIGTERM)
     assert direct.wait(30) == 0, direct.output()[-3000:]
     first_leader([mounted])
-    time.sleep(1.0)
+    wait_for_ticks(probe_log, 2, instance="mounted")
     stop_all([mounted])
 
     assert refused.wait(30) == 78, refused.output()[-3000:]

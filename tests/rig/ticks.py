@@ -34,9 +34,10 @@ from typing import Any
 
 import asyncpg
 
-from rig.databases import RIG_APP
+from rig.databases import RIG_APP, run_sync
 from rig.overlap import find_overlaps
 from rig.processes import DaemonProcess
+from rig.waiting import wait_until
 
 PROBE_TASK = "probe"
 
@@ -230,6 +231,36 @@ def python_ticks(log_file: Path, loop: str = "plugin") -> list[Interval]:
     from rig.effects import read_effects
 
     return [Interval(loop, run.instance, run.start, run.end) for run in read_effects(log_file)]
+
+
+def wait_for_ticks(
+    source: str | Path,
+    count: int,
+    *,
+    instance: str | None = None,
+    since: float = 0.0,
+    timeout: float = 30.0,
+) -> list[Interval]:
+    """Wait until the probe has recorded `count` ticks (by `instance`, if named) begun at or
+    after `since` (seconds since the epoch); return every tick recorded by then.
+
+    `source` is where the probe writes: a PostgreSQL URL (the SQL probe's committed
+    ``tick_log`` rows) or a path (the Python probe's log file). What a test observes is
+    then a number of ticks, however busy the machine, rather than however many fit into a
+    fixed sleep.
+    """
+    assert count >= 1, count
+
+    def enough() -> list[Interval] | None:
+        ticks = run_sync(pg_ticks(source)) if isinstance(source, str) else python_ticks(source)
+        mine = [t for t in ticks if t.start >= since and instance in (None, t.instance)]
+        return ticks if len(mine) >= count else None
+
+    who = f" by {instance}" if instance else ""
+    ticks: list[Interval] = wait_until(
+        enough, timeout, f"{count} probe ticks{who} since {stamp(since)}", every=0.1
+    )
+    return ticks
 
 
 # -- log events -------------------------------------------------------------------------
