@@ -34,8 +34,9 @@ PYTEST_WORKERS ?= 2
 PYTEST_XDIST = -n $(PYTEST_WORKERS) --dist loadfile
 
 # The tests marked browser (any test using the browser fixture is) run in `make browser`.
+# The 30 slowest tests are listed at the end: where the suite's time goes.
 pytest: $(STAMP)
-	$(BIN)/pytest -q $(PYTEST_XDIST) -m 'not browser' $(PYTEST_ARGS)
+	$(BIN)/pytest -q $(PYTEST_XDIST) --durations=30 -m 'not browser' $(PYTEST_ARGS)
 
 # Real-browser tests: Debian's chromium (apt-get install chromium; .ci/run does it as root)
 # driven by Playwright through executable_path, never `playwright install`. One process, so
