@@ -204,6 +204,11 @@ def test_a_run_past_its_timeout_is_stopped_for_real(
     assert "skipped_overlap" not in {row["status"] for row in statuses}
 
 
+# `make test-long`: its one claim, no two instances' async and sync work at once through a
+# silent cut of the leader's whole network, is what the chaos slice's guaranteed partitions
+# (seeds 11 and 12, one with a SIGKILL inside it) check in `make test` with the same probes,
+# the same timings and the one overlap rule (chaos.checker ``overlap``).
+@pytest.mark.chaos_long
 def test_a_leader_cut_off_silently_stops_its_work_before_anyone_else_leads(
     pg_url: str,
     daemons: Daemons,
