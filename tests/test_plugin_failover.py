@@ -17,15 +17,14 @@ import json
 import signal
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from itertools import pairwise
-from typing import Any, TypeVar
 
-import asyncpg
 import pytest
 from plugin_targets import PROBE_DDL, PROBE_TABLE, TARGETS_ENV
 from rig.processes import DaemonProcess, Daemons
+from rig.sql import afetch
 from rig.ticks import FAST_TIMINGS
+from rig.waiting import until
 
 pytestmark = [pytest.mark.postgres, pytest.mark.processes]
 
@@ -38,7 +37,6 @@ STALL_TIMEOUT = float(FAST_TIMINGS["SCHEDULER_LOCK__STALL_TIMEOUT"])
 # leader's first tick runs the (missed) slot. A few seconds on top for a loaded machine.
 GAP_BOUND = STALL_TIMEOUT + HEARTBEAT_INTERVAL + PERIOD + 3.0
 
-T = TypeVar("T")
 
 TERMINAL = {"succeeded", "failed", "timed_out", "skipped_overlap", "abandoned"}
 
@@ -64,30 +62,11 @@ def replica_env(pg_url: str, instance: str) -> dict[str, str]:
     }
 
 
-async def fetch(pg_url: str, sql: str, *args: Any) -> list[dict[str, Any]]:
-    conn = await asyncpg.connect(pg_url)
-    try:
-        return [dict(row) for row in await conn.fetch(sql, *args)]
-    finally:
-        await conn.close()
-
-
-async def poll(check: Callable[[], Awaitable[T | None]], what: str, within: float = 20.0) -> T:
-    deadline = time.monotonic() + within
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up after {within}s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 async def new_leader(pg_url: str, not_in: set[str], within: float = 20.0) -> str:
     """The instance leading the plugin loop (fresh heartbeat), once it is none of `not_in`."""
 
     async def check() -> str | None:
-        rows = await fetch(
+        rows = await afetch(
             pg_url,
             "SELECT instance FROM scheduler_leaders "
             "WHERE loop = 'plugin' AND heartbeat_at > now() - interval '2 seconds'",
@@ -95,13 +74,13 @@ async def new_leader(pg_url: str, not_in: set[str], within: float = 20.0) -> str
         current: str | None = rows[0]["instance"] if rows else None
         return current if current not in not_in else None
 
-    return await poll(check, f"a plugin leader other than {not_in or 'none'}", within)
+    return await until(check, f"a plugin leader other than {not_in or 'none'}", within, 0.05)
 
 
 async def mid_run(pg_url: str, instance: str) -> bool:
     """True while `instance` is running a slot that started less than 0.3 s ago (so the
     run still has most of its 0.7 s to go)."""
-    rows = await fetch(
+    rows = await afetch(
         pg_url,
         "SELECT 1 FROM scheduler_plugin_runs WHERE name = $1 AND instance = $2 "
         "AND status = 'running' AND started_at > now() - interval '0.3 seconds'",
@@ -112,7 +91,7 @@ async def mid_run(pg_url: str, instance: str) -> bool:
 
 
 async def run_failover(pg_url: str, daemons: Daemons, duration: float, stop_leader: bool) -> None:
-    await fetch(pg_url, PROBE_DDL)
+    await afetch(pg_url, PROBE_DDL)
     replicas: dict[str, DaemonProcess] = {
         name: daemons.start(replica_env(pg_url, name), ["run", "--only", "plugin"], name=name)
         for name in ("r1", "r2", "r3")
@@ -121,13 +100,13 @@ async def run_failover(pg_url: str, daemons: Daemons, duration: float, stop_lead
     started = time.monotonic()
 
     async def steady() -> bool:  # a few runs before any trouble
-        rows = await fetch(pg_url, "SELECT count(*) AS n FROM scheduler_plugin_runs")
+        rows = await afetch(pg_url, "SELECT count(*) AS n FROM scheduler_plugin_runs")
         return bool(rows[0]["n"] >= 3)
 
-    await poll(steady, "three runs")
+    await until(steady, "three runs", every=0.05)
 
     # SIGKILL the leader in the middle of a run.
-    await poll(lambda: mid_run(pg_url, first), f"{first} to be mid-run")
+    await until(lambda: mid_run(pg_url, first), f"{first} to be mid-run", every=0.05)
     replicas[first].kill()
     second = await new_leader(pg_url, {first})
     abandoned = 1
@@ -137,7 +116,7 @@ async def run_failover(pg_url: str, daemons: Daemons, duration: float, stop_lead
         # server's idle timeout, stall_timeout) frees the lock; the new leader abandons
         # the frozen run.
         await asyncio.sleep(duration / 4)
-        await poll(lambda: mid_run(pg_url, second), f"{second} to be mid-run")
+        await until(lambda: mid_run(pg_url, second), f"{second} to be mid-run", every=0.05)
         replicas[second].signal(signal.SIGSTOP)
         await new_leader(pg_url, {first, second}, within=STALL_TIMEOUT + 15)
         abandoned += 1
@@ -158,13 +137,13 @@ async def run_failover(pg_url: str, daemons: Daemons, duration: float, stop_lead
 
 
 async def check_runs(pg_url: str, duration: float, abandoned: int) -> None:
-    runs = await fetch(
+    runs = await afetch(
         pg_url,
         "SELECT slot, instance, status, error, started_at, finished_at "
         "FROM scheduler_plugin_runs WHERE name = $1 ORDER BY started_at",
         TASK,
     )
-    probes = await fetch(pg_url, f"SELECT slot_text, instance FROM {PROBE_TABLE}")
+    probes = await afetch(pg_url, f"SELECT slot_text, instance FROM {PROBE_TABLE}")
 
     twice = [slot for slot, n in Counter(run["slot"] for run in runs).items() if n > 1]
     assert twice == [], f"slots claimed twice: {twice}"
