@@ -101,7 +101,9 @@ class Daemon:
                 store, self.settings, self._publishers, self.metrics, self.log, listener
             )
             return publish, self.settings.publish.interval
-        sticky = store.backend == "sqlite" or self.settings.lock.mode == "session"
+        # A leader that holds its lock between ticks (file lock, session lock) knows no
+        # one else ran anything meanwhile; transaction mode wins it afresh each tick.
+        sticky = not store.capabilities.advisory_locks or self.settings.lock.mode == "session"
         work = PluginWork(
             self._tasks,
             self._runnable,

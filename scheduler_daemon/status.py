@@ -45,7 +45,7 @@ def _loop_keys(settings: Settings) -> dict[str, int]:
 async def collect_status(store: Store, settings: Settings) -> dict[str, Any]:
     """The status report, as plain JSON-able data with no secrets."""
     stats = await store.publication_stats()
-    if store.backend == "postgres":
+    if store.capabilities.advisory_locks:
         loops = await _postgres_loops(store, settings)
     else:
         loops = await _sqlite_loops(store, settings)
@@ -60,7 +60,7 @@ async def collect_status(store: Store, settings: Settings) -> dict[str, Any]:
     return {
         "database": str(settings.database_url),
         "backend": store.backend,
-        "lock_mode": settings.lock.mode if store.backend == "postgres" else "flock",
+        "lock_mode": settings.lock.mode if store.capabilities.advisory_locks else "flock",
         "schema_version": await store.schema_version(),
         "publications": {
             "scheduled": stats.scheduled,
@@ -190,7 +190,7 @@ async def _sqlite_loops(store: Store, settings: Settings) -> dict[str, dict[str,
 
     assert isinstance(store, SqliteStore)
     async with store.transaction(readonly=True) as tx:  # never waits for the writer
-        rows = {(row["loop"], row["lock_key"]): row for row in await tx.fetch("leaders")}
+        rows = {(row["loop"], row["lock_key"]): row for row in await tx.query("leaders")}
     loops: dict[str, dict[str, Any]] = {}
     for loop, key in _loop_keys(settings).items():
         row = rows.get((loop, key))

@@ -28,6 +28,7 @@ from rig.waiting import until
 
 from scheduler_daemon.config.settings import WebhookPublisherSettings
 from scheduler_daemon.config.values import DEFAULT_PUBLISH_KEY
+from scheduler_daemon.db.publish_store import OwedWebhook, Published
 from scheduler_daemon.leadership import LeadershipLost
 from scheduler_daemon.logs import get_logger
 from scheduler_daemon.metrics import Metrics
@@ -166,16 +167,9 @@ def deliverer(url: str) -> WebhookDeliverer:
     return WebhookDeliverer(settings, Metrics(), get_logger())
 
 
-def outbox_row(publication_id: int = 7) -> dict[str, Any]:
+def outbox_row(publication_id: int = 7) -> OwedWebhook:
     at = datetime(2030, 1, 1, tzinfo=UTC)
-    return {
-        "id": publication_id,
-        "key": None,
-        "payload": {"a": 1},
-        "publish_at": at,
-        "published_at": at,
-        "attempts": 0,
-    }
+    return OwedWebhook(Published(publication_id, None, {"a": 1}, at, at), attempts=0)
 
 
 @dataclass

@@ -184,7 +184,8 @@ _OUT_OF_RANGE = "out of range (years 1 to 9999, in UTC)"
 
 async def _database_now(store: Store) -> datetime:
     async with store.transaction(readonly=True) as tx:
-        now: datetime = (await tx.fetch("now"))[0]["now"]
+        [row] = await tx.query("now")
+    now: datetime = row["now"]
     return now
 
 

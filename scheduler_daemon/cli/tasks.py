@@ -5,15 +5,15 @@ trigger any task.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import click
 
 from ..client import MAX_PAYLOAD_DEPTH
 from ..config.settings import Settings
+from ..db.schedules import ScheduleStore
 from ..db import AddedSchedule, ScheduleRecord
 from ..errors import InvalidInput, NotFound
 from ..output import dumps, json_row, json_rows
@@ -35,16 +35,6 @@ from .common import (
 @click.group()
 def tasks() -> None:
     """List and operate plugin tasks."""
-
-
-def _task_rows(
-    settings: Settings, query: str, *args: Any, readonly: bool = False
-) -> list[dict[str, Any]]:
-    async def main() -> list[dict[str, Any]]:
-        async with _store(settings) as store, store.transaction(readonly=readonly) as tx:
-            return await tx.fetch(query, *args)
-
-    return _run(main())
 
 
 @tasks.command("list")
@@ -245,12 +235,18 @@ def tasks_show(config_file: Path | None, name: str, as_json: bool) -> None:
         click.echo(line)
 
 
-def _task_action(query: str, done: str) -> Callable[[Path | None, str], None]:
+def _task_action(
+    act: Callable[[ScheduleStore, str], Awaitable[bool]], done: str
+) -> Callable[[Path | None, str], None]:
     @config_option
     @click.argument("name", callback=_text)
     @handles_errors
     def action(config_file: Path | None, name: str) -> None:
-        if not _task_rows(_settings(config_file), query, name):
+        async def main() -> bool:
+            async with _store(_settings(config_file)) as store, store.transaction() as tx:
+                return await act(ScheduleStore(tx), name)
+
+        if not _run(main()):
             raise NotFound(f"no task named {name!r} (see `scheduler-daemon tasks list`)")
         click.echo(f"{name}: {done}")
 
@@ -258,11 +254,11 @@ def _task_action(query: str, done: str) -> Callable[[Path | None, str], None]:
 
 
 tasks.command("pause", help="Stop running a task's slots until resumed.")(
-    _task_action("task_pause", "paused")
+    _task_action(ScheduleStore.pause, "paused")
 )
 tasks.command("resume", help="Resume a paused task (also clears its failure count).")(
-    _task_action("task_resume", "resumed")
+    _task_action(ScheduleStore.resume, "resumed")
 )
 tasks.command("trigger", help="Run a task once, as soon as the leader sees it.")(
-    _task_action("task_trigger", "triggered")
+    _task_action(ScheduleStore.trigger, "triggered")
 )

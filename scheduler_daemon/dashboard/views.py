@@ -29,6 +29,8 @@ from markupsafe import Markup
 from ..aio import wait_any
 from ..config.settings import Settings
 from ..db.base import Store
+from ..db.publish_store import PublishStore
+from ..db.schedules import ScheduleStore
 from ..errors import InvalidInput, NotFound, describe
 from ..logs import Logger
 from ..status import summarize
@@ -350,13 +352,18 @@ class Dashboard:
 
     async def _schedule_action(self, request: web.Request) -> web.Response:
         name, action = request.match_info["name"], request.match_info["action"]
-        queries = {"pause": "task_pause", "resume": "task_resume", "trigger": "task_trigger"}
-        if action not in queries:
+        if action not in ("pause", "resume", "trigger"):
             raise web.HTTPNotFound()
         user, go_back = await self._authorize(request, f"schedule.{action}")
         store = self._need_store()
         async with store.transaction() as tx:
-            changed = await tx.fetch(queries[action], name)
+            schedules = ScheduleStore(tx)
+            act = {
+                "pause": schedules.pause,
+                "resume": schedules.resume,
+                "trigger": schedules.trigger,
+            }
+            changed = await act[action](name)
         self._done(request, user, f"schedule.{action}", schedule=name, changed=bool(changed))
         if not changed:
             raise web.HTTPNotFound(text=f"no schedule named {name!r}\n")
@@ -373,7 +380,7 @@ class Dashboard:
                 await store.cancel(pid)
             else:
                 async with store.transaction() as tx:
-                    if not await tx.query("publication_retry", id=pid):
+                    if not await PublishStore(tx).retry_failed(id=pid):
                         raise NotFound(f"publication {pid} is not failed: nothing to retry")
         except InvalidInput as exc:
             self._done(request, user, f"publication.{action}", publication=pid, changed=False)

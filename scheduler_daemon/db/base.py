@@ -1,8 +1,14 @@
 """What the daemon needs of a database, whatever the backend.
 
 Each backend (``postgres``, ``sqlite``) implements :class:`Store` in its own module and
-keeps its SQL in a ``<backend>.sql`` file beside it. Callers never branch on the backend
-for business logic; they branch on capability flags such as :attr:`Store.supports_notify`.
+keeps its SQL in a ``<backend>.sql`` file beside it. The loops reach that SQL through
+typed stores over a :class:`Tx` (db/publish_store.py, db/plugin_store.py,
+db/schedules.py): methods with named parameters that return dataclasses; reports (the
+status, the dashboard) read rows as dicts with :meth:`Tx.query`.
+
+Callers never branch on the backend for business logic; they ask the store's
+:class:`Capabilities`. Only the factories that build a backend's own part (the leadership
+guard, the LISTEN connection, the lock-manager report) look at the concrete store.
 """
 
 from __future__ import annotations
@@ -139,6 +145,36 @@ class ShardScope:
     tokens: dict[int, int]
 
 
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend can do."""
+
+    #: LISTEN/NOTIFY: triggers wake a listening leader, and the ``notify`` publisher works.
+    #: Without it, :attr:`Store.commit_watch` tells of other processes' commits.
+    notify: bool
+    #: Leadership by the server's lock manager (advisory locks, ``pg_locks``), in session
+    #: or transaction mode; without it, an OS file lock held for the whole leadership.
+    advisory_locks: bool
+
+
+class CommitWatch(Protocol):
+    """How a backend without NOTIFY notices other processes' commits, cheaply."""
+
+    def files_changed_marker(self) -> tuple[int, ...]:
+        """Something that changes with every commit, ours included, for the price of a
+        ``stat``: confirm with :meth:`data_version` only when it moved."""
+        ...
+
+    async def data_version(self) -> int:
+        """Changes when another connection committed, never for our own commits."""
+        ...
+
+    async def next_due_in(self) -> float | None:
+        """Seconds until the earliest scheduled publication (negative: due); None if
+        nothing is scheduled."""
+        ...
+
+
 class Tx(Protocol):
     """One open transaction, on the connection the leadership guard chose.
 
@@ -200,6 +236,14 @@ class Store(Protocol):
 
     @property
     def backend(self) -> Backend: ...
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    @property
+    def commit_watch(self) -> CommitWatch | None:
+        """None where :attr:`Capabilities.notify` wakes the leader instead."""
+        ...
 
     @property
     def url(self) -> DatabaseUrl: ...

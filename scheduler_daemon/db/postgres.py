@@ -25,6 +25,7 @@ from ..errors import PrivilegeRefused, explain_timeouts
 from ..redact import redact
 from .base import (
     AppliedMigration,
+    Capabilities,
     Publication,
     PublicationFilter,
     PublicationStats,
@@ -261,6 +262,8 @@ class PgTx:
 
 class PostgresStore:
     backend: Final = "postgres"
+    capabilities: Final = Capabilities(notify=True, advisory_locks=True)
+    commit_watch: Final = None
 
     def __init__(self, url: DatabaseUrl, settings: Settings, pool: asyncpg.Pool) -> None:
         self.url = url

@@ -779,8 +779,8 @@ WHERE p.name = old.name AND p.slot <= old.cutoff AND p.status <> 'running'
 -- name: purge_publications
 DELETE FROM scheduler_publications
 WHERE id IN (SELECT id FROM scheduler_publications
-             WHERE status <> 'scheduled' AND publish_at < now() - make_interval(secs => $1)
-             ORDER BY publish_at LIMIT $2)
+             WHERE status <> 'scheduled' AND publish_at < now() - make_interval(secs => :older_than)
+             ORDER BY publish_at LIMIT :limit)
 RETURNING id
 
 -- name: tasks_list
@@ -790,17 +790,17 @@ SELECT name, schedule, next_run_at, active, paused, trigger_requested_at,
 FROM scheduler_plugin_tasks ORDER BY name
 
 -- name: task_pause
-UPDATE scheduler_plugin_tasks SET paused = true, updated_at = now() WHERE name = $1
+UPDATE scheduler_plugin_tasks SET paused = true, updated_at = now() WHERE name = :name
 RETURNING name
 
 -- name: task_resume
 UPDATE scheduler_plugin_tasks SET paused = false, consecutive_failures = 0, updated_at = now()
-WHERE name = $1
+WHERE name = :name
 RETURNING name
 
 -- name: task_trigger
 UPDATE scheduler_plugin_tasks SET trigger_requested_at = clock_timestamp(), updated_at = now()
-WHERE name = $1
+WHERE name = :name
 RETURNING name
 
 -- Publish loop.
@@ -812,11 +812,11 @@ WITH due AS (
     SELECT id FROM scheduler_publications
     WHERE status = 'scheduled' AND publish_at <= now()
     ORDER BY publish_at, id
-    LIMIT $1
+    LIMIT :limit
     FOR UPDATE SKIP LOCKED
 )
 UPDATE scheduler_publications AS p
-SET status = 'published', published_at = clock_timestamp(), published_by = $2,
+SET status = 'published', published_at = clock_timestamp(), published_by = :instance,
     attempts = p.attempts + 1, last_error = NULL
 FROM due
 WHERE p.id = due.id
@@ -828,26 +828,26 @@ RETURNING p.id, p.key, p.payload, p.publish_at, p.published_at
 SELECT id FROM scheduler_publications
 WHERE status = 'scheduled' AND publish_at <= now()
 ORDER BY publish_at, id
-LIMIT $1
+LIMIT :limit
 FOR UPDATE SKIP LOCKED
 
 -- name: publish_one
 UPDATE scheduler_publications AS p
-SET status = 'published', published_at = clock_timestamp(), published_by = $2,
+SET status = 'published', published_at = clock_timestamp(), published_by = :instance,
     attempts = p.attempts + 1, last_error = NULL
-WHERE p.id = $1 AND p.status = 'scheduled'
+WHERE p.id = :id AND p.status = 'scheduled'
 RETURNING p.id, p.key, p.payload, p.publish_at, p.published_at
 
 -- name: publication_fail
 UPDATE scheduler_publications
-SET status = 'failed', published_at = NULL, last_error = $2
-WHERE id = $1
+SET status = 'failed', published_at = NULL, last_error = :error
+WHERE id = :id
 
 -- name: publication_undelivered
 -- Its database effects were committed (published_at stays); its webhook never arrived.
 UPDATE scheduler_publications
-SET status = 'failed', last_error = $2
-WHERE id = $1 AND status = 'published'
+SET status = 'failed', last_error = :error
+WHERE id = :id AND status = 'published'
 
 -- name: next_due_in
 -- `skipped`: rows that were due when this transaction began and yet were not taken, i.e.
@@ -860,11 +860,11 @@ SELECT extract(epoch FROM min(publish_at) - clock_timestamp())::float8 AS second
 FROM scheduler_publications WHERE status = 'scheduled'
 
 -- name: notify_published
-SELECT pg_notify($1, message) FROM unnest($2::text[]) AS message
+SELECT pg_notify(:channel, message) FROM unnest(:messages::text[]) AS message
 
 -- name: outbox_add
 INSERT INTO scheduler_webhook_outbox (publication_id)
-SELECT unnest($1::bigint[])
+SELECT unnest(:ids::bigint[])
 ON CONFLICT (publication_id) DO NOTHING
 
 -- name: outbox_due
@@ -874,24 +874,24 @@ FROM scheduler_webhook_outbox o
 JOIN scheduler_publications p ON p.id = o.publication_id
 WHERE o.status = 'pending' AND o.next_attempt_at <= now()
 ORDER BY o.next_attempt_at
-LIMIT $1
+LIMIT :limit
 FOR UPDATE OF o SKIP LOCKED
 
 -- name: outbox_delivered
 UPDATE scheduler_webhook_outbox
 SET status = 'delivered', attempts = attempts + 1, delivered_at = now(), last_error = NULL
-WHERE publication_id = $1 AND status = 'pending'
+WHERE publication_id = :id AND status = 'pending'
 
 -- name: outbox_retry
 UPDATE scheduler_webhook_outbox
-SET attempts = attempts + 1, last_error = $3,
-    next_attempt_at = now() + make_interval(secs => $2)
-WHERE publication_id = $1 AND status = 'pending'
+SET attempts = attempts + 1, last_error = :error,
+    next_attempt_at = now() + make_interval(secs => :delay)
+WHERE publication_id = :id AND status = 'pending'
 
 -- name: outbox_failed
 UPDATE scheduler_webhook_outbox
-SET status = 'failed', attempts = attempts + 1, last_error = $2
-WHERE publication_id = $1 AND status = 'pending'
+SET status = 'failed', attempts = attempts + 1, last_error = :error
+WHERE publication_id = :id AND status = 'pending'
 
 -- name: outbox_next_in
 SELECT extract(epoch FROM min(next_attempt_at) - now())::float8 AS seconds

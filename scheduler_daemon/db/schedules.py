@@ -148,9 +148,20 @@ class ScheduleStore:
     async def list_all(self) -> list[ScheduleRecord]:
         return [schedule_record(row) for row in await self.tx.query("schedules_list")]
 
+    async def pause(self, name: str) -> bool:
+        """Pause the schedule (runtime or declared) named so; False if there is none."""
+        return bool(await self.tx.query("task_pause", name=name))
+
+    async def resume(self, name: str) -> bool:
+        """Resume it, its failures in a row forgotten; False if there is none."""
+        return bool(await self.tx.query("task_resume", name=name))
+
+    async def trigger(self, name: str) -> bool:
+        """Ask for one run now, outside its schedule; False if there is none."""
+        return bool(await self.tx.query("task_trigger", name=name))
+
     async def set_paused(self, name: str, paused: bool) -> ScheduleRecord:
-        # The same statements as `tasks pause|resume`.
-        changed = await self.tx.fetch("task_pause" if paused else "task_resume", name)
+        changed = await (self.pause(name) if paused else self.resume(name))
         current = await self.get(name) if changed else None
         if current is None:
             raise NotFound(f"no schedule named {name!r} (see `scheduler-daemon tasks list`)")

@@ -44,10 +44,18 @@ def queries(backend: Backend) -> dict[str, str]:
     text = files("scheduler_daemon.db").joinpath(f"{backend}.sql").read_text("utf-8")
     parts = _NAME_LINE.split(text)
     # parts = [preamble, name1, body1, name2, body2, ...]
-    named = {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+    named = {name: _statement(body) for name, body in zip(parts[1::2], parts[2::2], strict=True)}
     if len(named) != len(parts[1::2]):
         raise RuntimeError(f"{backend}.sql defines a query name twice")
     return named
+
+
+# Comment lines at a block's end introduce the next section of the file, not this query.
+_TRAILING_COMMENTS = re.compile(r"(\n[ \t]*(--[^\n]*)?)+\Z")
+
+
+def _statement(body: str) -> str:
+    return _TRAILING_COMMENTS.sub("", body.strip())
 
 
 @cache

@@ -30,6 +30,8 @@ from ..config.settings import Settings
 from ..errors import ConfigError, SchemaMissing
 from .base import (
     AppliedMigration,
+    Capabilities,
+    CommitWatch,
     Publication,
     PublicationFilter,
     PublicationStats,
@@ -200,6 +202,7 @@ class SqliteTx:
 
 class SqliteStore:
     backend: Final = "sqlite"
+    capabilities: Final = Capabilities(notify=False, advisory_locks=False)
 
     def __init__(
         self, url: DatabaseUrl, conn: aiosqlite.Connection, file: Path | None = None
@@ -208,6 +211,10 @@ class SqliteStore:
         self.conn = conn
         self._file = file
         self._lock = asyncio.Lock()
+
+    @property
+    def commit_watch(self) -> CommitWatch:
+        return self
 
     @property
     def path(self) -> Path:

@@ -275,8 +275,8 @@ WHERE status <> 'running' AND name IN (SELECT value FROM json_each(:names))
 DELETE FROM scheduler_publications
 WHERE id IN (SELECT id FROM scheduler_publications
              WHERE status <> 'scheduled'
-               AND julianday(publish_at) < julianday('now') - ?1 / 86400.0
-             ORDER BY julianday(publish_at) LIMIT ?2)
+               AND julianday(publish_at) < julianday('now') - :older_than / 86400.0
+             ORDER BY julianday(publish_at) LIMIT :limit)
 RETURNING id
 
 -- name: tasks_list
@@ -288,20 +288,20 @@ FROM scheduler_plugin_tasks ORDER BY name
 -- name: task_pause
 UPDATE scheduler_plugin_tasks SET paused = 1,
     updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
-WHERE name = ?1
+WHERE name = :name
 RETURNING name
 
 -- name: task_resume
 UPDATE scheduler_plugin_tasks SET paused = 0, consecutive_failures = 0,
     updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
-WHERE name = ?1
+WHERE name = :name
 RETURNING name
 
 -- name: task_trigger
 UPDATE scheduler_plugin_tasks
 SET trigger_requested_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'),
     updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
-WHERE name = ?1
+WHERE name = :name
 RETURNING name
 
 -- Publish loop.
@@ -310,12 +310,12 @@ RETURNING name
 -- SQLite has one writer at a time (BEGIN IMMEDIATE), so no row locking is needed.
 UPDATE scheduler_publications
 SET status = 'published', published_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'),
-    published_by = ?2, attempts = attempts + 1, last_error = NULL
+    published_by = :instance, attempts = attempts + 1, last_error = NULL
 WHERE id IN (
     SELECT id FROM scheduler_publications
     WHERE status = 'scheduled' AND julianday(publish_at) <= julianday('now')
     ORDER BY julianday(publish_at), id
-    LIMIT ?1
+    LIMIT :limit
 )
 RETURNING id, key, payload, publish_at, published_at
 
@@ -324,25 +324,25 @@ RETURNING id, key, payload, publish_at, published_at
 SELECT id FROM scheduler_publications
 WHERE status = 'scheduled' AND julianday(publish_at) <= julianday('now')
 ORDER BY julianday(publish_at), id
-LIMIT ?1
+LIMIT :limit
 
 -- name: publish_one
 UPDATE scheduler_publications
 SET status = 'published', published_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'),
-    published_by = ?2, attempts = attempts + 1, last_error = NULL
-WHERE id = ?1 AND status = 'scheduled'
+    published_by = :instance, attempts = attempts + 1, last_error = NULL
+WHERE id = :id AND status = 'scheduled'
 RETURNING id, key, payload, publish_at, published_at
 
 -- name: publication_fail
 UPDATE scheduler_publications
-SET status = 'failed', published_at = NULL, last_error = ?2
-WHERE id = ?1
+SET status = 'failed', published_at = NULL, last_error = :error
+WHERE id = :id
 
 -- name: publication_undelivered
 -- Its database effects were committed (published_at stays); its webhook never arrived.
 UPDATE scheduler_publications
-SET status = 'failed', last_error = ?2
-WHERE id = ?1 AND status = 'published'
+SET status = 'failed', last_error = :error
+WHERE id = :id AND status = 'published'
 
 -- name: next_due_in
 -- SQLite has a single writer, so nothing due is ever skipped.
@@ -353,7 +353,7 @@ FROM scheduler_publications WHERE status = 'scheduled'
 
 -- name: outbox_add
 INSERT INTO scheduler_webhook_outbox (publication_id)
-SELECT value FROM json_each(?1)
+SELECT value FROM json_each(:ids)
 WHERE true
 ON CONFLICT (publication_id) DO NOTHING
 
@@ -363,24 +363,24 @@ FROM scheduler_webhook_outbox o
 JOIN scheduler_publications p ON p.id = o.publication_id
 WHERE o.status = 'pending' AND julianday(o.next_attempt_at) <= julianday('now')
 ORDER BY julianday(o.next_attempt_at)
-LIMIT ?1
+LIMIT :limit
 
 -- name: outbox_delivered
 UPDATE scheduler_webhook_outbox
 SET status = 'delivered', attempts = attempts + 1,
     delivered_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), last_error = NULL
-WHERE publication_id = ?1 AND status = 'pending'
+WHERE publication_id = :id AND status = 'pending'
 
 -- name: outbox_retry
 UPDATE scheduler_webhook_outbox
-SET attempts = attempts + 1, last_error = ?3,
-    next_attempt_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '+' || ?2 || ' seconds')
-WHERE publication_id = ?1 AND status = 'pending'
+SET attempts = attempts + 1, last_error = :error,
+    next_attempt_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '+' || :delay || ' seconds')
+WHERE publication_id = :id AND status = 'pending'
 
 -- name: outbox_failed
 UPDATE scheduler_webhook_outbox
-SET status = 'failed', attempts = attempts + 1, last_error = ?2
-WHERE publication_id = ?1 AND status = 'pending'
+SET status = 'failed', attempts = attempts + 1, last_error = :error
+WHERE publication_id = :id AND status = 'pending'
 
 -- name: outbox_next_in
 SELECT (min(julianday(next_attempt_at)) - julianday('now')) * 86400.0 AS seconds

@@ -23,24 +23,24 @@ import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import asyncpg
 
 from ..config.settings import Settings
-from ..db.base import Store, Tx
+from ..db.base import CommitWatch, Store, Tx
 from ..db.connect import is_transient_database_error
+from ..db.publish_store import Published, PublishStore
 from ..errors import describe
 from ..leadership import LeadershipLost, Lease
 from ..logs import Logger
 from ..metrics import Metrics
-from ..publishers import Published, Publisher
+from ..publishers import Publisher
 from ..publishers.webhook import WebhookDeliverer
 from .base import LISTENING_MAX_SLEEP, Tick
 
 if TYPE_CHECKING:
     from ..db.listen import Listener
-    from ..db.sqlite import SqliteStore
 
 WAKE_CHANNEL = "scheduler_publications_due"
 # How often the SQLite leader looks for other processes' commits: the bound on its
@@ -119,17 +119,19 @@ class PublishWork:
             try:
                 async with tick.lease.transaction() as tx:
                     lost = 0  # rows failed because they could not be read
+                    store = PublishStore(tx)
                     if one_by_one:
-                        rows, lost = await self._take_one_by_one(tx, tick.log)
-                        taken = len(rows) + lost
+                        batch, lost = await self._take_one_by_one(store, tick.log)
+                        taken = len(batch) + lost
                     else:
-                        rows = await tx.fetch("publish_due", self.settings.publish.batch_size,
-                                              self.settings.instance_id)  # fmt: skip
-                        taken = len(rows)
-                    batch = [Published(**row) for row in rows]
+                        batch = await store.take_due(
+                            limit=self.settings.publish.batch_size,
+                            instance=self.settings.instance_id,
+                        )
+                        taken = len(batch)
                     failed = await self._run_publishers(tx, batch, tick) if batch else {}
                     if taken < self.settings.publish.batch_size:
-                        upcoming = (await tx.fetch("next_due_in"))[0]
+                        upcoming = await store.next_due()
             except Exception as exc:
                 if one_by_one or not unreadable(exc):
                     raise
@@ -148,10 +150,9 @@ class PublishWork:
             tick.log.info("publish.published", count=published)
             if self._deliverer is not None:
                 self._deliverer.poke.set()
-        self._db_clock_offset = upcoming["db_epoch"] - time.time()
-        delay: float | None = upcoming["seconds"]
-        delay = None if delay is None else max(delay, 0.0)
-        if upcoming["skipped"]:
+        self._db_clock_offset = upcoming.db_epoch - time.time()
+        delay = None if upcoming.seconds is None else max(upcoming.seconds, 0.0)
+        if upcoming.skipped:
             # Due rows another transaction holds locked: retry soon, not in a tight loop.
             delay = max(delay or 0.0, LOCKED_ROWS_RETRY)
         horizon = self.max_sleep() if delay is None else min(delay, self.max_sleep())
@@ -211,7 +212,7 @@ class PublishWork:
                     raise  # a deadlock or lock timeout says nothing about this row's data
                 # If the connection died, this fails too and nothing of the batch commits.
                 error = describe(exc)
-                await tx.fetch("publication_fail", row.id, error)
+                await PublishStore(tx).fail(id=row.id, error=error)
                 failed[row.id] = error
                 log.error("publish.row_failed", publication_id=row.id, key=row.key, error=error)
         self._transient_strikes.clear()
@@ -237,23 +238,27 @@ class PublishWork:
                     "(publish.publisher_timeout)"
                 ) from None
 
-    async def _take_one_by_one(self, tx: Tx, log: Logger) -> tuple[list[dict[str, Any]], int]:
-        """``publish_due``, one row at a time, each in a savepoint: a row that cannot be
-        read is marked failed, naming why. Returns the rows read and how many failed."""
-        ids = [
-            row["id"] for row in await tx.fetch("publish_due_ids", self.settings.publish.batch_size)
-        ]
-        rows: list[dict[str, Any]] = []
+    async def _take_one_by_one(
+        self, store: PublishStore, log: Logger
+    ) -> tuple[list[Published], int]:
+        """:meth:`PublishStore.take_due`, one row at a time, each in a savepoint: a row
+        that cannot be read is marked failed, naming why. Returns the rows read and how
+        many failed."""
+        rows: list[Published] = []
         lost = 0
-        for publication_id in ids:
+        for publication_id in await store.due_ids(limit=self.settings.publish.batch_size):
             try:
-                async with tx.savepoint():
-                    rows += await tx.fetch("publish_one", publication_id, self.settings.instance_id)
+                async with store.tx.savepoint():
+                    row = await store.take_one(
+                        id=publication_id, instance=self.settings.instance_id
+                    )
+                if row is not None:
+                    rows.append(row)
             except Exception as exc:
                 if not unreadable(exc):
                     raise
                 error = f"unreadable row: {describe(exc)}"
-                await tx.fetch("publication_fail", publication_id, error)
+                await store.fail(id=publication_id, error=error)
                 lost += 1
                 log.error("publish.row_unreadable", publication_id=publication_id, error=error)
         return rows, lost
@@ -294,14 +299,12 @@ class PublishWork:
             )
         if self.listener is not None:
             await self.listener.subscribe(WAKE_CHANNEL, self._on_notification)
-        from ..db.sqlite import SqliteStore
-
-        if isinstance(self.store, SqliteStore):
+        if self.store.commit_watch is not None:
             self._watching = lease.spawn(
-                self._watch_commits(self.store), name="publish:watch", service=True
+                self._watch_commits(self.store.commit_watch), name="publish:watch", service=True
             )
 
-    async def _watch_commits(self, store: SqliteStore) -> None:
+    async def _watch_commits(self, store: CommitWatch) -> None:
         """Wake the leader when another process scheduled a row due before the planned
         tick: SQLite's stand-in for the LISTEN below."""
         seen: int | None = None

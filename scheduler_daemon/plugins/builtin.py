@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config.settings import Settings
+from ..db.publish_store import PublishStore
 from .context import TaskContext
 
 PURGE_BATCH = 1000
@@ -20,7 +21,7 @@ def builtin_tasks(settings: Settings) -> list[Mapping[str, Any]]:
         purged = 0
         while not ctx.cancelled.is_set():
             async with ctx.transaction() as tx:
-                batch = len(await tx.fetch("purge_publications", retention, PURGE_BATCH))
+                batch = await PublishStore(tx).purge(older_than=retention, limit=PURGE_BATCH)
             purged += batch
             if batch < PURGE_BATCH:
                 break

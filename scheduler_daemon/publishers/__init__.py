@@ -5,8 +5,9 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 
 from ..config.settings import Settings
+from ..db.publish_store import Published
 from ..errors import ConfigError
-from .base import Published, Publisher
+from .base import Publisher
 from .notify import NotifyPublisher
 from .sql import SqlPublisher
 from .webhook import WebhookPublisher

@@ -14,29 +14,10 @@ at-least-once: a crash between the side effect and the commit republishes the ro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from datetime import datetime
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..db.base import Tx
-
-
-@dataclass(frozen=True, slots=True)
-class Published:
-    id: int
-    key: str | None
-    payload: Any
-    publish_at: datetime
-    published_at: datetime
-
-    def summary(self) -> dict[str, Any]:
-        """The small, stable JSON shape used by notify and as the webhook envelope."""
-        return {
-            "id": self.id,
-            "key": self.key,
-            "publish_at": self.publish_at.isoformat(),
-            "published_at": self.published_at.isoformat(),
-        }
+from ..db.publish_store import Published
 
 
 class Publisher(Protocol):

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from ..config.settings import NotifyPublisherSettings
 from ..db.base import Tx
-from .base import Published
+from ..db.publish_store import Published, PublishStore
 
 
 class NotifyPublisher:
@@ -20,4 +20,4 @@ class NotifyPublisher:
         # One statement for the batch; NOTIFY payloads are capped at 8000 bytes, so the
         # message carries identifiers, not the payload.
         messages = [json.dumps(row.summary()) for row in rows]
-        await tx.fetch("notify_published", self.channel, messages)
+        await PublishStore(tx).notify_published(channel=self.channel, messages=messages)

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..config.settings import SqlPublisherSettings
 from ..db.base import Tx
-from .base import Published
+from ..db.publish_store import Published
 
 
 def extract(row: Published, param: str) -> Any:

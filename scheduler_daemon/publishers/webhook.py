@@ -34,7 +34,6 @@ import json
 import random
 import time
 from collections.abc import Sequence
-from typing import Any
 from urllib.parse import urljoin
 
 import aiohttp
@@ -45,12 +44,12 @@ from ..aio import unless_set, wait_any
 from ..config.settings import WebhookPublisherSettings
 from ..db.base import Tx
 from ..db.connect import Backoff
+from ..db.publish_store import OwedWebhook, Published, PublishStore
 from ..errors import ConfigError, describe
 from ..leadership import LeadershipLost, Lease, NotLeader
 from ..logs import Logger
 from ..metrics import Metrics
 from ..redact import REDACTED, redact_webhook_url
-from .base import Published
 
 IDLE_RECHECK = 30.0  # also picks up rows a previous leader left pending
 BUSY_RETRY = 0.5  # transaction mode: another replica holds the lock; try again soon
@@ -166,7 +165,7 @@ class WebhookPublisher:
                 raise ConfigError(f"publish.webhook.secret: {exc}") from None
 
     async def publish(self, tx: Tx, rows: Sequence[Published]) -> None:
-        await tx.fetch("outbox_add", [row.id for row in rows])
+        await PublishStore(tx).owe_webhooks([row.id for row in rows])
 
 
 class WebhookDeliverer:
@@ -239,16 +238,17 @@ class WebhookDeliverer:
         # One wave of POSTs per round: in transaction mode the round holds the publish
         # lock, so it must not outlast one webhook.timeout.
         async with held.transaction() as tx:
-            due = await tx.fetch("outbox_due", self.settings.concurrency)
+            store = PublishStore(tx)
+            due = await store.webhooks_due(limit=self.settings.concurrency)
             if not due:
-                seconds = (await tx.fetch("outbox_next_in"))[0]["seconds"]
+                seconds = await store.next_webhook_in()
         if due:
             await self._deliver_batch(session, held, due)
             return 0.0
         return IDLE_RECHECK if seconds is None else min(max(seconds, 0.0), IDLE_RECHECK)
 
     async def _deliver_batch(
-        self, session: aiohttp.ClientSession, held: Lease, rows: list[dict[str, Any]]
+        self, session: aiohttp.ClientSession, held: Lease, rows: list[OwedWebhook]
     ) -> None:
         # Each POST is work of the hold: losing it cancels them, and the hold is let go
         # only once they have stopped.
@@ -260,22 +260,21 @@ class WebhookDeliverer:
                     post.exception()
             raise LeadershipLost(held.reason or "lost")
         async with held.transaction() as tx:
+            store = PublishStore(tx)
             for row, post in zip(rows, posts, strict=True):
-                await self._record(tx, row, post.result())
+                await self._record(store, row, post.result())
 
     async def _post(
-        self, session: aiohttp.ClientSession, row: dict[str, Any], held: Lease
+        self, session: aiohttp.ClientSession, owed: OwedWebhook, held: Lease
     ) -> str | None:
-        published = Published(
-            row["id"], row["key"], row["payload"], row["publish_at"], row["published_at"]
-        )
+        published = owed.publication
         body = json.dumps(published.summary() | {"payload": published.payload}).encode()
         headers = {
             "Content-Type": "application/json",
             "User-Agent": f"scheduler-daemon/{__version__}",
             "Idempotency-Key": str(published.id),
             "X-Scheduler-Publication-Id": str(published.id),
-            "X-Scheduler-Attempt": str(row["attempts"] + 1),
+            "X-Scheduler-Attempt": str(owed.attempts + 1),
             # Grows with every change of publish leader: a receiver that remembers the
             # largest it has seen can refuse a replaced leader's late request.
             "X-Scheduler-Fencing-Token": str(held.fencing_token),
@@ -315,18 +314,17 @@ class WebhookDeliverer:
                 error = error.replace(spelling, redact_webhook_url(self.url))
             return error
 
-    async def _record(self, tx: Tx, row: dict[str, Any], error: str | None) -> None:
-        publication_id, attempts = row["id"], row["attempts"] + 1
+    async def _record(self, store: PublishStore, owed: OwedWebhook, error: str | None) -> None:
+        publication_id, attempts = owed.publication.id, owed.attempts + 1
         log = self.log.bind(publication_id=publication_id, attempt=attempts)
         if error is None:
-            await tx.fetch("outbox_delivered", publication_id)
+            await store.webhook_delivered(id=publication_id)
             log.info("webhook.delivered")
         elif attempts >= self.settings.max_attempts:
-            await tx.fetch("outbox_failed", publication_id, error)
-            await tx.fetch("publication_undelivered", publication_id, f"webhook: {error}")
+            await store.webhook_gave_up(id=publication_id, error=error)
             self.metrics.publications_failed.inc()
             log.error("webhook.failed", error=error)
         else:
             delay = self.backoff(attempts)
-            await tx.fetch("outbox_retry", publication_id, delay, error)
+            await store.webhook_retry(id=publication_id, delay=delay, error=error)
             log.warning("webhook.retry", error=error, retry_in=delay)

@@ -1,6 +1,8 @@
-"""The plugin loop's store contract (db/plugin_store.py), on both backends.
+"""The loops' store contract, on both backends: the plugin loop's (db/plugin_store.py), the
+publish loop's and the webhook outbox's (db/publish_store.py), the schedule actions
+(db/schedules.py).
 
-Each typed method against a real database: what the loop relies on, including the rules
+Each typed method against a real database: what the loops rely on, including the rules
 the database enforces whatever the leaders think (one run per (name, slot), at most one
 running run per schedule: graphile-worker #621 was a batch claim that broke the second).
 """
@@ -15,9 +17,11 @@ from typing import Any
 import pytest
 
 from scheduler_daemon.client import Client
-from scheduler_daemon.config import Settings
+from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.db.base import Store
 from scheduler_daemon.db.plugin_store import Claim, Declaration, PluginStore, RunResult
+from scheduler_daemon.db.publish_store import PublishStore
+from scheduler_daemon.db.schedules import ScheduleStore
 from scheduler_daemon.db.sqlfiles import queries
 
 
@@ -374,3 +378,169 @@ async def test_a_sharded_scope_keeps_to_its_shards_while_their_tokens_are_curren
             assert await scoped({0: 11}).finish(results, 5) == [], "shard 0's token is 10"
             assert await scoped({0: 11}).abandon("gone", []) == []
             assert len(await scoped({0: 10}).finish(results, 5)) == len(results)
+
+
+# -- the publish loop's store (db/publish_store.py) -----------------------------------------
+
+
+async def publications(store: Store, *seconds_from_now: float) -> list[int]:
+    """Rows scheduled ``seconds`` from the database's now (negative: due), in order."""
+    now = await now_of(store)
+    ids = []
+    for seconds in seconds_from_now:
+        result = await store.schedule(now + timedelta(seconds=seconds), '{"n": 1}', None)
+        ids.append(result.publication.id)
+    return ids
+
+
+def test_both_backends_define_the_publish_queries() -> None:
+    names = {
+        "publish_due", "publish_due_ids", "publish_one", "publication_fail", "next_due_in",
+        "publication_retry", "purge_publications", "outbox_add", "outbox_due",
+        "outbox_next_in", "outbox_delivered", "outbox_retry", "outbox_failed",
+        "publication_undelivered",
+    }  # fmt: skip
+    assert names <= set(queries("postgres"))
+    assert names <= set(queries("sqlite"))
+
+
+async def test_take_due_flips_the_oldest_due_rows_up_to_the_limit(store: Store) -> None:
+    late, early, later, future = await publications(store, -5, -10, -1, 60)
+    async with store.transaction() as tx:
+        taken = await PublishStore(tx).take_due(limit=2, instance="me")
+        upcoming = await PublishStore(tx).next_due()
+    assert [row.id for row in taken] == [early, late], "publish_at order, at most the limit"
+    assert all(row.published_at >= row.publish_at for row in taken)
+    assert taken[0].payload == {"n": 1}
+    assert upcoming.seconds is not None
+    assert upcoming.seconds < 0, "`later` is still due"
+    found = {
+        row["id"]: row
+        for row in await rows(store, "SELECT id, status, published_by, attempts FROM scheduler_publications")
+    }  # fmt: skip
+    assert {i: found[i]["status"] for i in (early, late, later, future)} == {
+        early: "published", late: "published", later: "scheduled", future: "scheduled",
+    }  # fmt: skip
+    assert (found[early]["published_by"], found[early]["attempts"]) == ("me", 1)
+    async with store.transaction() as tx:
+        assert [r.id for r in await PublishStore(tx).take_due(limit=10, instance="me")] == [later]
+        upcoming = await PublishStore(tx).next_due()
+    assert upcoming.seconds is not None
+    assert 50 < upcoming.seconds <= 60, "`future` next"
+    async with store.transaction() as tx:
+        await PublishStore(tx).take_due(limit=10, instance="me")  # nothing due
+        assert await PublishStore(tx).take_due(limit=10, instance="me") == []
+
+
+async def test_row_by_row_takes_each_and_fail_records_why(store: Store) -> None:
+    first, second = await publications(store, -2, -1)
+    async with store.transaction() as tx:
+        publish = PublishStore(tx)
+        assert await publish.due_ids(limit=10) == [first, second]
+        one = await publish.take_one(id=first, instance="me")
+        assert one is not None
+        assert one.id == first
+        assert await publish.take_one(id=first, instance="me") is None, "no longer scheduled"
+        await publish.fail(id=second, error="unreadable row: boom")
+    found = await rows(
+        store, "SELECT status, published_at, last_error FROM scheduler_publications WHERE id = $1",
+        second,
+    )  # fmt: skip
+    assert found == [
+        {"status": "failed", "published_at": None, "last_error": "unreadable row: boom"}
+    ]
+    async with store.transaction() as tx:
+        assert await PublishStore(tx).retry_failed(id=second)
+        assert not await PublishStore(tx).retry_failed(id=first), "published, not failed"
+        [again] = await PublishStore(tx).take_due(limit=10, instance="me")
+    assert again.id == second, "retried: due again"
+
+
+async def test_the_webhook_outbox_owes_retries_and_gives_up(store: Store) -> None:
+    [publication] = await publications(store, -1)
+    async with store.transaction() as tx:
+        publish = PublishStore(tx)
+        assert await publish.next_webhook_in() is None, "nothing owed"
+        await publish.take_due(limit=1, instance="me")
+        await publish.owe_webhooks([publication])
+        await publish.owe_webhooks([publication])  # owed once
+        [owed] = await publish.webhooks_due(limit=10)
+    assert (owed.publication.id, owed.attempts, owed.publication.payload) == (
+        publication,
+        0,
+        {"n": 1},
+    )
+    async with store.transaction() as tx:
+        await PublishStore(tx).webhook_retry(id=publication, delay=30, error="HTTP 500")
+        assert await PublishStore(tx).webhooks_due(limit=10) == [], "not due for 30 s"
+        seconds = await PublishStore(tx).next_webhook_in()
+    assert seconds is not None
+    assert 25 < seconds <= 30
+    due_again = await now_of(store) - timedelta(seconds=1)
+    async with store.transaction() as tx:
+        sql = _sql(store, "UPDATE scheduler_webhook_outbox SET next_attempt_at = $1")
+        await tx.run(sql, due_again)
+        [owed] = await PublishStore(tx).webhooks_due(limit=10)
+        assert owed.attempts == 1
+        await PublishStore(tx).webhook_gave_up(id=publication, error="HTTP 500")
+    [outbox] = await rows(
+        store, "SELECT status, attempts, last_error FROM scheduler_webhook_outbox"
+    )
+    assert outbox == {"status": "failed", "attempts": 2, "last_error": "HTTP 500"}
+    [row] = await rows(store, "SELECT status, last_error FROM scheduler_publications")
+    assert row == {"status": "failed", "last_error": "webhook: HTTP 500"}
+
+
+async def test_a_delivered_webhook_is_owed_no_more(store: Store) -> None:
+    [publication] = await publications(store, -1)
+    async with store.transaction() as tx:
+        await PublishStore(tx).take_due(limit=1, instance="me")
+        await PublishStore(tx).owe_webhooks([publication])
+        await PublishStore(tx).webhook_delivered(id=publication)
+        assert await PublishStore(tx).webhooks_due(limit=10) == []
+        assert await PublishStore(tx).next_webhook_in() is None
+    [outbox] = await rows(store, "SELECT status, attempts FROM scheduler_webhook_outbox")
+    assert outbox == {"status": "delivered", "attempts": 1}
+
+
+async def test_purge_deletes_finished_rows_past_retention_only(store: Store) -> None:
+    old_done, old_waiting, new_done = await publications(store, -7200, -7100, -10)
+    async with store.transaction() as tx:
+        for publication in (old_done, new_done):
+            await PublishStore(tx).take_one(id=publication, instance="me")
+        assert await PublishStore(tx).purge(older_than=3600, limit=10) == 1
+    left = {row["id"] for row in await rows(store, "SELECT id FROM scheduler_publications")}
+    assert left == {old_waiting, new_done}, "a scheduled row is never purged"
+
+
+async def test_pause_resume_and_trigger_name_a_schedule_or_say_none(store: Store) -> None:
+    await add(store, "t", await now_of(store), consecutive_failures=3)
+    async with store.transaction() as tx:
+        schedules = ScheduleStore(tx)
+        assert await schedules.pause("t")
+        assert not await schedules.pause("nope")
+        assert (await schedules.get("t")).paused  # type: ignore[union-attr]
+        assert await schedules.resume("t")
+        assert not await schedules.resume("nope")
+        assert await schedules.trigger("t")
+        assert not await schedules.trigger("nope")
+        record = await schedules.get("t")
+    assert record is not None
+    assert not record.paused
+    assert record.consecutive_failures == 0, "resumed: its failures in a row forgotten"
+    assert record.trigger_requested_at is not None
+
+
+async def test_take_due_skips_rows_another_transaction_holds(pg_url: str) -> None:
+    """PostgreSQL: a row locked by another transaction is passed over, not waited for, and
+    next_due says so (the caller looks again soon)."""
+    async with Client.connect(Settings(database_url=pg_url)) as client:
+        store = client.store
+        first, second = await publications(store, -2, -1)
+        async with store.transaction() as holder:
+            await holder.run("SELECT 1 FROM scheduler_publications WHERE id = $1 FOR UPDATE", first)
+            async with store.transaction() as tx:
+                taken = await PublishStore(tx).take_due(limit=10, instance="me")
+                upcoming = await PublishStore(tx).next_due()
+        assert [row.id for row in taken] == [second]
+        assert upcoming.skipped

@@ -1,0 +1,126 @@
+"""The package's layers (docs/architecture.md#layers), checked on its imports: no module
+imports one in a layer above its own, and no import cycle, counting imports made inside
+functions and under TYPE_CHECKING too (an import moved into a function to dodge a cycle
+is still the cycle)."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "scheduler_daemon"
+
+# Bottom to top, as docs/architecture.md lists them: a module's layer is the one whose
+# longest prefix names it.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("foundation", ("scheduler_daemon", "redact", "errors", "aio", "output")),
+    ("config", ("config", "db.url", "logs", "metrics", "sdnotify")),
+    ("db", ("db", "schema_gate")),
+    ("leadership", ("leadership",)),
+    ("work", ("plugins", "publishers", "loops", "status", "client")),
+    ("serving", ("http", "dashboard", "signals", "daemon")),
+    ("cli", ("cli", "__main__")),
+]
+
+
+def module_names() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.with_suffix("").relative_to(PACKAGE.parent).parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def imports(name: str, path: Path, known: set[str]) -> Iterator[str]:
+    """The package's modules that ``name`` imports, wherever in the file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            candidates = [module, *(f"{module}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        else:
+            continue
+        yield from (c for c in candidates if c in known and c != name)
+
+
+def layer_of(name: str) -> int:
+    short = name.removeprefix("scheduler_daemon.") if name != "scheduler_daemon" else name
+    best, found = -1, None
+    for number, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (short == prefix or short.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), number
+    if found is None:
+        pytest.fail(f"{name} is in no layer: add it to LAYERS and docs/architecture.md")
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = module_names()
+    return {name: set(imports(name, path, set(modules))) for name, path in modules.items()}
+
+
+def test_no_module_imports_one_in_a_layer_above(graph: dict[str, set[str]]) -> None:
+    upward = [
+        f"{name} ({LAYERS[layer_of(name)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+        for name, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if layer_of(target) > layer_of(name)
+    ]
+    assert upward == []
+
+
+def test_no_import_cycles(graph: dict[str, set[str]]) -> None:
+    # Depth-first search with colours: a grey module met again is a cycle.
+    colour: dict[str, str] = {}
+    cycles: list[list[str]] = []
+
+    def visit(name: str, path: list[str]) -> None:
+        colour[name] = "grey"
+        for target in sorted(graph[name]):
+            if colour.get(target) == "grey":
+                cycles.append([*path[path.index(target) :], target])
+            elif target not in colour:
+                visit(target, [*path, target])
+        colour[name] = "black"
+
+    for name in sorted(graph):
+        if name not in colour:
+            visit(name, [name])
+    assert cycles == []
+
+
+def test_the_checker_sees_an_upward_import_and_a_cycle() -> None:
+    """The two checks can fail: on a made-up graph, they find what is wrong."""
+    assert layer_of("scheduler_daemon.db.postgres") < layer_of("scheduler_daemon.loops.plugin")
+    assert layer_of("scheduler_daemon.db.url") < layer_of("scheduler_daemon.db.base")
+    made_up = {"scheduler_daemon.db.base": {"scheduler_daemon.loops.plugin"}}
+    with pytest.raises(AssertionError):
+        test_no_module_imports_one_in_a_layer_above(
+            {**made_up, "scheduler_daemon.loops.plugin": set()}
+        )
+    with pytest.raises(AssertionError):
+        test_no_import_cycles({"a": {"b"}, "b": {"a"}})
+
+
+def test_no_product_module_is_over_500_lines() -> None:
+    """Small modules, one job each (docs/architecture.md): past ~500 lines a module is
+    usually doing two things."""
+    long = {
+        name: lines
+        for name, path in module_names().items()
+        if (lines := len(path.read_text("utf-8").splitlines())) > 520
+    }
+    assert long == {}
