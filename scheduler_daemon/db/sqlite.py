@@ -161,7 +161,9 @@ class SqliteTx:
     def __init__(self, conn: aiosqlite.Connection, fencing_token: int | None = None) -> None:
         self.conn = conn
         self.fencing_token = fencing_token
-        self.shards: ShardScope | None = None  # sharding is PostgreSQL's (config.py)
+        self.shards: ShardScope | None = (
+            None  # sharding is PostgreSQL's (config/settings.py refuses it)
+        )
         self._savepoints = itertools.count()
 
     async def execute(self, sql: str, statement_timeout: float | None = None) -> None:

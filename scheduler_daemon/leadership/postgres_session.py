@@ -24,8 +24,9 @@ While leading, a heartbeat proves every ``heartbeat_interval``, on the lock conn
 that the database still sees this session holding the key (one read-only statement; a
 fenced transaction of a tick proves the same and stands in for it). While no work of the
 leadership runs, only every ``lock.quiet_proof_interval``, and its next tick waits for a
-fresh proof first (``heartbeat``'s ``quiet``). While a tick holds the
-connection, the proof goes through the pool instead. The lock connection's own end is
+fresh proof first (``heartbeat``'s ``quiet``). The proof talks on the lock connection
+itself, between two statements of a transaction if one is open (the statement lock), and
+through the pool only while a statement runs on it. The lock connection's own end is
 noticed at once (asyncpg's termination listener): a terminated backend, a restarted
 server, the server's idle timeout. Any of these ends the leadership: its work is cancelled
 and waited for, and only then is the connection closed. The order matters where the

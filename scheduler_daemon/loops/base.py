@@ -4,8 +4,9 @@ A tick never starts while the previous one of the same loop still runs (PostgreS
 advisory locks are re-entrant within a session, so overlapping ticks of one process would
 both "hold" the lock). The sleep between ticks ends early on stop, on ``wake()``, or when
 leadership is lost. Database trouble never ends the loop: the runner steps down, backs
-off and competes again. Anything else that escapes the guard or the work's hand-over is a
-bug: the loop ends, and with it the daemon (exit 70). A schema newer than this build knows
+off and competes again. Anything else that escapes the guard, the work's leadership hooks
+(``leadership_started``, ``leadership_ended``) or a service of the leadership is a bug:
+the loop ends, and with it the daemon (exit 70). A schema newer than this build knows
 does end the competing: the runner hands over what it leads and waits for the stop,
 leading nothing (schema_gate.py).
 """

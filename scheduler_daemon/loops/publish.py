@@ -1,10 +1,13 @@
 """The publish loop: every due publication becomes ``published`` once, on time.
 
 A tick, on the leader only, loops over batches until nothing is due. Each batch is one
-fenced transaction on the leader's connection: one statement picks up to ``batch_size``
-due rows (``publish_at <= now()`` by the database's clock, ``FOR UPDATE SKIP LOCKED``),
-flips them, and the publishers run on the returned rows in the same transaction. If the
-leader lost its session, nothing of the batch commits, and the next leader publishes it.
+fenced transaction (``lease.transaction()``: in session mode on the leader's lock
+connection, in transaction mode a pooled one whose first statement takes the lock, on
+SQLite under the file lock): one statement picks up to ``batch_size`` due rows
+(``publish_at <= now()`` by the database's clock; PostgreSQL skips rows others hold
+locked) and flips them (db/publish_store.py), and the publishers run on the returned rows
+in the same transaction. If the leader lost its lock, nothing of the batch commits, and
+the next leader publishes it.
 
 Timing: the tick returns how long until the earliest scheduled row, so the leader sleeps
 exactly until then. On PostgreSQL the replica's LISTEN connection (db/listen.py), fed by a
