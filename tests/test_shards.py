@@ -108,7 +108,7 @@ def all_led_by(url: str, members: set[str], what: str, timeout: float = 30.0) ->
     return time.monotonic() - started
 
 
-def work_by(log: Path, members: set[str], runs: int = 3) -> None:
+def work_by(log: Path, members: set[str], runs: int = 2) -> None:
     """Wait until each of `members` has begun `runs` runs from now on: every configuration
     of the cluster does work that the checks below then cover."""
     since = time.time()
@@ -117,7 +117,7 @@ def work_by(log: Path, members: set[str], runs: int = 3) -> None:
         begun = Counter(r.instance for r in read_effects(log) if r.start >= since)
         return all(begun[member] >= runs for member in members)
 
-    wait_until(done, 30, f"{runs} runs by each of {sorted(members)}")
+    wait_until(done, 30, f"{runs} runs by each of {sorted(members)}", every=0.1)
 
 
 def test_shards_keep_every_promise_per_schedule_through_join_leave_kill_freeze_and_restart(

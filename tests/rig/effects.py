@@ -96,7 +96,8 @@ def effects_replica_env(
 
 def read_effects(log: Path) -> list[EffectRun]:
     try:
-        lines = log.read_text().splitlines()
+        # Whole lines only: read while replicas work, the last may be half appended.
+        lines = log.read_text().split("\n")[:-1]
     except FileNotFoundError:
         return []
     records: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -155,7 +156,8 @@ def wait_mid_run(
         return bool(found) and wanted <= found
 
     what = f"{sorted(wanted)} runs" if wanted else "a run"
-    wait_until(going, timeout, f"{instance} to be in the middle of {what}")
+    # Every 50 ms: reading the records back is not free once there are thousands.
+    wait_until(going, timeout, f"{instance} to be in the middle of {what}", every=0.05)
 
 
 def per_schedule(run: EffectRun) -> str:
