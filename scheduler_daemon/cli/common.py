@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import click
 
-from ..client import Client
+from ..client.pool import Client
 from ..config import load_settings
 from ..config.settings import Settings
 from ..config.values import parse_duration

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from ..client import MAX_PAYLOAD_DEPTH
+from ..client.rules import MAX_PAYLOAD_DEPTH
 from ..config.settings import Settings
 from ..db.schedules import ScheduleStore
 from ..db import AddedSchedule, ScheduleRecord
