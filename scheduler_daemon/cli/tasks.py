@@ -12,9 +12,8 @@ from pathlib import Path
 import click
 
 from ..client.rules import MAX_PAYLOAD_DEPTH
-from ..config.settings import Settings
-from ..db.schedules import ScheduleStore
 from ..db import AddedSchedule, ScheduleRecord
+from ..db.schedules import ScheduleStore
 from ..errors import InvalidInput, NotFound
 from ..output import dumps, json_row, json_rows
 from .common import (
