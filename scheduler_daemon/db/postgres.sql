@@ -898,7 +898,7 @@ SELECT extract(epoch FROM min(next_attempt_at) - now())::float8 AS seconds
 FROM scheduler_webhook_outbox WHERE status = 'pending'
 
 -- Runtime schedules (docs/plugins.md, "Schedules as data"): what the application's API
--- (client.py: Client and add_schedule_in), and the CLI's `tasks add|remove|show|list` run,
+-- (client/: Client and add_schedule_in), and the CLI's `tasks add|remove|show|list` run,
 -- through db/schedules.py, with named parameters. Never run by the loops. A runtime
 -- schedule is a row whose `target` is set; declared tasks (target NULL) are never written
 -- here, only read (and paused or resumed, as `tasks pause|resume` does).
