@@ -254,24 +254,7 @@ class SessionGuard(GuardBase[PostgresStore]):
         try:
             await conn.execute(self._session_timeouts())
             await self._wait_for_lock(conn)
-            async with conn.transaction():
-                found = await conn.fetchrow(QUERIES["leader_predecessor"], self.loop, self.key)
-                # Granted on a schema newer than we know: claim nothing, let the lock go
-                # (the connection is dropped below) to whoever waits next.
-                self.schema.check(found["schema_version"], self.log, "lock granted")
-                predecessor = found if found["instance"] is not None else None
-                token = await conn.fetchval(
-                    QUERIES["fencing_next"], self.loop, self.settings.instance_id
-                )
-                row = await conn.fetchrow(
-                    QUERIES["leader_claim"],
-                    self.loop,
-                    self.key,
-                    self.settings.instance_id,
-                    socket.gethostname(),
-                    os.getpid(),
-                    token,
-                )
+            predecessor, token, row = await self._claim(conn)
             settled = await self._wait_for_predecessor(conn, predecessor)
         except BaseException:
             conn.terminate()
@@ -291,21 +274,7 @@ class SessionGuard(GuardBase[PostgresStore]):
         conn.add_termination_listener(on_closed)
         if conn.is_closed():  # closed before the listener was there to hear it
             on_closed(conn)
-        if settled.get("predecessor_alive") and not settled.get("predecessor_standing_by"):
-            # It did not hand over and is still connected, yet its lock session ended: the
-            # server evicted it (idle past stall_timeout: frozen, or cut off), or someone
-            # terminated the backend.
-            self.metrics.evictions.labels(self.loop).inc()
-            self.log.warning(
-                "leader.evicted", evicted_instance=settled["predecessor"],
-                stall_timeout=self.lock.stall_timeout,
-            )  # fmt: skip
-        self.metrics.leader.labels(self.loop).set(1)
-        self.metrics.leadership_changes.labels(self.loop, "acquired").inc()
-        self.log.info(
-            "leader.acquired", key=self.key, backend_pid=lease.backend_pid,
-            fencing_token=token, **settled,
-        )  # fmt: skip
+        self._report_acquired(lease, settled)
         beat = heartbeat(
             lease,
             lambda: self._prove(lease),
@@ -320,6 +289,47 @@ class SessionGuard(GuardBase[PostgresStore]):
         finally:
             await self._stop_leading(lease, beating, on_closed)
             await self._release(lease, graceful=clean_exit and not lease.lost.is_set())
+
+    async def _claim(self, conn: asyncpg.Connection) -> tuple[Any, int, Any]:
+        """Just granted the lock: who led before (None: nobody recorded), the fencing token
+        drawn for this leadership, and our row in ``scheduler_leaders``, in one
+        transaction."""
+        async with conn.transaction():
+            found = await conn.fetchrow(QUERIES["leader_predecessor"], self.loop, self.key)
+            # Granted on a schema newer than we know: claim nothing, let the lock go (the
+            # caller drops the connection) to whoever waits next.
+            self.schema.check(found["schema_version"], self.log, "lock granted")
+            predecessor = found if found["instance"] is not None else None
+            token: int = await conn.fetchval(
+                QUERIES["fencing_next"], self.loop, self.settings.instance_id
+            )
+            row = await conn.fetchrow(
+                QUERIES["leader_claim"],
+                self.loop,
+                self.key,
+                self.settings.instance_id,
+                socket.gethostname(),
+                os.getpid(),
+                token,
+            )
+        return predecessor, token, row
+
+    def _report_acquired(self, lease: SessionLease, settled: dict[str, Any]) -> None:
+        if settled.get("predecessor_alive") and not settled.get("predecessor_standing_by"):
+            # It did not hand over and is still connected, yet its lock session ended: the
+            # server evicted it (idle past stall_timeout: frozen, or cut off), or someone
+            # terminated the backend.
+            self.metrics.evictions.labels(self.loop).inc()
+            self.log.warning(
+                "leader.evicted", evicted_instance=settled["predecessor"],
+                stall_timeout=self.lock.stall_timeout,
+            )  # fmt: skip
+        self.metrics.leader.labels(self.loop).set(1)
+        self.metrics.leadership_changes.labels(self.loop, "acquired").inc()
+        self.log.info(
+            "leader.acquired", key=self.key, backend_pid=lease.backend_pid,
+            fencing_token=lease.fencing_token, **settled,
+        )  # fmt: skip
 
     async def _stop_leading(
         self, lease: SessionLease, beating: asyncio.Task[None], on_closed: Callable[[Any], None]
