@@ -44,6 +44,9 @@ def replica_env(url: str, instance: str, **extra: str) -> dict[str, str]:
         "SCHEDULER_INSTANCE_ID": instance,
         **FAST_TIMINGS,
         "SCHEDULER_PLUGIN__TASKS": json.dumps(TASKS),
+        # `broken` fails every run; paused after 5 in a row (the default), it would stop
+        # running before the pause test counts its runs on a slow machine.
+        "SCHEDULER_PLUGIN__MAX_CONSECUTIVE_FAILURES": "1000",
         "SCHEDULER_HTTP__ENABLED": "true",
         "SCHEDULER_HTTP__PORT": "0",
         "SCHEDULER_DASHBOARD__REFRESH": "0.5",
