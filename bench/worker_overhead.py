@@ -38,6 +38,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from scheduler_daemon.config.settings import LogSettings
 from scheduler_daemon.plugins.worker_process import WorkerJob
 from scheduler_daemon.plugins.workers import Workers, _Run
 
@@ -117,8 +118,7 @@ def noop_job() -> WorkerJob:
         slot=datetime.now(UTC),
         instance="bench",
         fencing_token=1,
-        log_format="json",
-        log_level="warning",
+        log=LogSettings(format="json", level="warning"),
         log_context={"task": "bench.noop", "loop": "plugin", "instance": "bench"},
     )
 
