@@ -42,6 +42,11 @@ READ_TIMEOUT = 5.0
 RUN_HISTORY = 50
 TIMELINE_WINDOW = 600.0  # seconds the runs timeline spans at most
 PAGE = 50
+SCHEDULE_ACTIONS: dict[str, Callable[[ScheduleStore, str], Awaitable[bool]]] = {
+    "pause": ScheduleStore.pause,
+    "resume": ScheduleStore.resume,
+    "trigger": ScheduleStore.trigger,
+}
 
 Context = dict[str, Any]
 Fragment = Callable[[web.Request], Awaitable[Context]]
@@ -352,18 +357,13 @@ class Dashboard:
 
     async def _schedule_action(self, request: web.Request) -> web.Response:
         name, action = request.match_info["name"], request.match_info["action"]
-        if action not in ("pause", "resume", "trigger"):
+        act = SCHEDULE_ACTIONS.get(action)
+        if act is None:
             raise web.HTTPNotFound()
         user, go_back = await self._authorize(request, f"schedule.{action}")
         store = self._need_store()
         async with store.transaction() as tx:
-            schedules = ScheduleStore(tx)
-            act = {
-                "pause": schedules.pause,
-                "resume": schedules.resume,
-                "trigger": schedules.trigger,
-            }
-            changed = await act[action](name)
+            changed = await act(ScheduleStore(tx), name)
         self._done(request, user, f"schedule.{action}", schedule=name, changed=bool(changed))
         if not changed:
             raise web.HTTPNotFound(text=f"no schedule named {name!r}\n")

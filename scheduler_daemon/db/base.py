@@ -147,18 +147,15 @@ class ShardScope:
 
 @dataclass(frozen=True, slots=True)
 class Capabilities:
-    """What a backend can do."""
+    """What a backend can do (whether it has NOTIFY: :attr:`Store.commit_watch` is None)."""
 
-    #: LISTEN/NOTIFY: triggers wake a listening leader, and the ``notify`` publisher works.
-    #: Without it, :attr:`Store.commit_watch` tells of other processes' commits.
-    notify: bool
     #: Leadership by the server's lock manager (advisory locks, ``pg_locks``), in session
     #: or transaction mode; without it, an OS file lock held for the whole leadership.
     advisory_locks: bool
 
 
 class CommitWatch(Protocol):
-    """How a backend without NOTIFY notices other processes' commits, cheaply."""
+    """How a backend without LISTEN/NOTIFY notices other processes' commits, cheaply."""
 
     def files_changed_marker(self) -> tuple[int, ...]:
         """Something that changes with every commit, ours included, for the price of a
@@ -242,7 +239,7 @@ class Store(Protocol):
 
     @property
     def commit_watch(self) -> CommitWatch | None:
-        """None where :attr:`Capabilities.notify` wakes the leader instead."""
+        """None where LISTEN/NOTIFY wakes the leader instead (PostgreSQL)."""
         ...
 
     @property

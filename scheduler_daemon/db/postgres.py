@@ -262,7 +262,7 @@ class PgTx:
 
 class PostgresStore:
     backend: Final = "postgres"
-    capabilities: Final = Capabilities(notify=True, advisory_locks=True)
+    capabilities: Final = Capabilities(advisory_locks=True)
     commit_watch: Final = None
 
     def __init__(self, url: DatabaseUrl, settings: Settings, pool: asyncpg.Pool) -> None:

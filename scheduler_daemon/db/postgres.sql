@@ -304,7 +304,8 @@ SET idle_in_transaction_session_timeout = {stall_ms}
 SELECT pg_try_advisory_lock($1)
 
 -- name: statement_timeout_off
--- Before lock_wait: the wait lasts until the lock is granted, however long that is.
+-- Before lock_wait (and a shard member's watch, before shard_watch): the wait lasts until
+-- the lock is granted, however long that is.
 SET statement_timeout = 0
 
 -- name: lock_wait
@@ -334,8 +335,9 @@ SET LOCAL statement_timeout = {statement_ms}
 
 -- name: backend_pid
 -- This connection's server backend: a hand-over hold's, to find its own entry in the lock
--- manager (lock_entry); and the pooler probe's (leadership/pooler.py), which asks on one
--- connection several times: behind a transaction pooler the answer changes.
+-- manager (lock_entry); a shard member's lock session's, which the key of its member lock
+-- carries; and the pooler probe's (leadership/pooler.py), which asks on one connection
+-- several times: behind a transaction pooler the answer changes.
 SELECT pg_backend_pid()
 
 -- name: hold_queue
@@ -1060,10 +1062,6 @@ SELECT pg_advisory_xact_lock($1, $2)
 -- holds it exclusively. False while one leads it (or waits for it): no joining then.
 SELECT pg_try_advisory_lock_shared($1)
 
--- name: shard_join_pid
--- The lock session's backend pid, which the key of its member lock carries.
-SELECT pg_backend_pid()
-
 -- name: shard_join_member
 -- The member lock ($1 the member class, $2 the objid as int4). False only while a watch
 -- holds it: granted the lock of a dead member whose pid the server has since given to
@@ -1084,11 +1082,6 @@ SELECT pg_advisory_unlock_all()
 -- Tell the other members to look again: $1 the channel (scheduler_shards_changed), $2
 -- why (member_joined, member_left, member_gone, shard_released), for their logs.
 SELECT pg_notify($1, $2)
-
--- name: shard_watch_untimed
--- On the watch's own connection, before shard_watch: its wait lasts as long as the member
--- it watches lives.
-SET statement_timeout = 0
 
 -- name: shard_watch
 -- Wait for the next member's lock ($1 the member class, $2 its objid as int4): granted the

@@ -204,7 +204,7 @@ class SqliteTx:
 
 class SqliteStore:
     backend: Final = "sqlite"
-    capabilities: Final = Capabilities(notify=False, advisory_locks=False)
+    capabilities: Final = Capabilities(advisory_locks=False)
 
     def __init__(
         self, url: DatabaseUrl, conn: aiosqlite.Connection, file: Path | None = None

@@ -168,7 +168,7 @@ class ShardedSessionGuard(SessionGuard):
                         "waits for its lock); this one waits until none is left"
                     )
                 else:
-                    pid: int = await conn.fetchval(QUERIES["shard_join_pid"])
+                    pid: int = await conn.fetchval(QUERIES["backend_pid"])
                     # Never held by anyone else, but by a watch granted the lock of a
                     # dead member whose pid the server has since given to this session.
                     objid = _signed(keys.member_objid(pid))
@@ -287,7 +287,7 @@ class ShardedSessionGuard(SessionGuard):
         granted: asyncio.Future[Any] | None = None
         try:
             detect_dead_peer(conn, self.lock.step_down_after)
-            await conn.execute(QUERIES["shard_watch_untimed"])
+            await conn.execute(QUERIES["statement_timeout_off"])
             objid = _signed(self.keys.member_objid(watched.pid))
             granted = asyncio.ensure_future(
                 conn.execute(QUERIES["shard_watch"], self.keys.member_class, objid)

@@ -110,7 +110,9 @@ class PluginWork:
         # The runs in flight and their results (loops/plugin_runs.py).
         self.runs = PluginRuns(settings, metrics, workers, self._label, lambda: self.wake())
         self.wake: Callable[[], None] = lambda: None  # the runner sets its own
-        self._lease: Lease | None = None
+        # The leadership's first tick takes over: reconciles the declared tasks and closes
+        # the runs a predecessor left `running`. Until one has committed, every tick tries.
+        self._taken_over = False
         self._runtime: dict[tuple[str, Any], TaskSpec] = {}  # built from rows, reused
         self._last_tick = 0.0
         self._lag_warned = 0.0
@@ -125,7 +127,7 @@ class PluginWork:
         self._last_tick = time.monotonic()
         if self.listener is not None:
             await self.listener.ensure()  # before the read below: no change goes unheard
-        taking_over = self._lease is not tick.lease
+        taking_over = not self._taken_over
         shards: list[ShardLease] = []
         fence: AbstractAsyncContextManager[Tx]
         if self.sharded:
@@ -184,7 +186,7 @@ class PluginWork:
             for _, hold, _ in holds:
                 await hold.discard()  # what it would have run was rolled back
             raise
-        self._lease = tick.lease  # committed: reconciled, and its predecessors' runs closed
+        self._taken_over = True  # committed: reconciled, and its predecessors' runs closed
         for shard in new_shards:
             shard.needs_abandon = False
         for run_id, name in orphans.items():  # closed: their schedules may run again
@@ -380,8 +382,7 @@ class PluginWork:
         self.wake()
 
     async def leadership_started(self, lease: Lease) -> None:
-        # The first tick takes over (reconciles, closes the predecessor's runs): until it
-        # has committed, self._lease is not this lease, and every tick tries again.
+        self._taken_over = False
         if self.listener is not None:
             await self.listener.subscribe(WAKE_CHANNEL, self._on_tasks_changed)
 
@@ -390,7 +391,7 @@ class PluginWork:
         their results (the daemon cancels us past shutdown_timeout; losing the lease
         meanwhile cancels them at once). Either way the guard then stops whatever is left,
         before it lets the lock go."""
-        self._lease = None
+        self._taken_over = False
         self.metrics.plugin_lag.set(0)  # a standby reports no lag: only the leader knows
         if self.listener is not None:
             self.listener.unsubscribe(WAKE_CHANNEL)

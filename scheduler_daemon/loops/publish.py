@@ -88,7 +88,6 @@ class PublishWork:
         self.metrics = metrics
         self.log = log.bind(loop=self.name)
         self.wake: Callable[[], None] = lambda: None  # the runner sets its own
-        self._lease: Lease | None = None
         self._deliverer: WebhookDeliverer | None = None
         self._delivering: asyncio.Task[None] | None = None
         self._watching: asyncio.Task[None] | None = None  # SQLite: the commit watcher
@@ -291,7 +290,6 @@ class PublishWork:
             self.metrics.publication_lateness.observe(max(lateness, 0.0))
 
     async def leadership_started(self, lease: Lease) -> None:
-        self._lease = lease
         settings = self.settings.publish
         if "webhook" in settings.publishers:
             # Work of the leadership: cancelled the moment it is lost, and stopped before
@@ -350,7 +348,6 @@ class PublishWork:
             self.wake()
 
     async def leadership_ended(self, graceful: bool) -> None:
-        self._lease = None
         if self._delivering is not None:
             if graceful and self._deliverer is not None:
                 await self._deliverer.finish()  # the POSTs in flight end and are recorded
