@@ -283,8 +283,11 @@ async def test_timeout_is_recorded_and_the_loop_goes_on(
         await at_least(db, "healthy", "succeeded", 5)
 
     for name in ("hangs", "hangs-sync"):
+        # On a busy machine stopping a timed-out run can outlast the 200 ms to the next
+        # slot, which is then skipped_overlap, recorded: never run beside it, never lost.
         runs = await db.runs(name)
-        assert {run["status"] for run in runs} == {"timed_out"}
+        assert {run["status"] for run in runs} <= {"timed_out", "skipped_overlap"}
+        runs = [run for run in runs if run["status"] == "timed_out"]
         assert {run["error"] for run in runs} == {"timed out after 0.3s"}
         for run in runs:  # the timeout ended it: not the next tick, not the shutdown
             assert run["finished_at"] - run["started_at"] < timedelta(seconds=3)

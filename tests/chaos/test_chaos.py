@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # during a primary failover, a SIGTERM during a partition, a clock step during a
 # PostgreSQL crash and a leave while a new replica is there, in about a minute each.
 SLICE: dict[int, tuple[tuple[FaultKind, ...], tuple[tuple[FaultKind, FaultKind], ...]]] = {
-    11: (
+    19: (
         ("partition", "failover_sync", "sigkill", "sigstop"),
         (
             ("partition", "sigkill"),
@@ -51,7 +51,7 @@ SLICE: dict[int, tuple[tuple[FaultKind, ...], tuple[tuple[FaultKind, FaultKind],
 SLICE_SECONDS = 45.0
 # How many shards each seed's plugin loop runs in: one seed with one leader (the default
 # deployment), one sharded, in the same time.
-SLICE_SHARDS: dict[int, int] = {11: 1, 12: 8}
+SLICE_SHARDS: dict[int, int] = {19: 1, 12: 8}
 
 # The soak's pairs, each drawn at least once beside the random ones (every kind is too):
 # the incidents the nemesis was taught overlap for.

@@ -149,6 +149,18 @@ def test_the_slice_plans_its_guarantees_within_its_length(seed: int, tmp_path: P
     kinds, pairs = SLICE[seed]
     assert set(kinds) <= {intent.kind for intent in intents}
     assert set(pairs) <= set(planned_pairs(intents))
+    # The slice asserts that both loops' work moved between instances: that needs a fault
+    # that hands leadership over aimed at each loop's leader (a freeze shorter than
+    # stall_timeout, a failover, or a random target may leave a leader where it was).
+    by_id = {intent.id: intent for intent in intents}
+    hands_over = {"sigkill", "sigterm", "partition", "scale_down", "clock_skew"}
+    aimed = {
+        by_id[intent.during].target if intent.target == "outer" and intent.during is not None
+        else intent.target
+        for intent in intents
+        if intent.kind in hands_over
+    }  # fmt: skip
+    assert {"leader:publish", "leader:plugin"} <= aimed
 
 
 def test_the_sharded_run_plans_every_kind_and_its_membership_pairs() -> None:
