@@ -499,8 +499,9 @@ class _Checker:
         self, source: str, publication: Publication, effects: Sequence[PublishEffect]
     ) -> str | None:
         moments = [e.at for e in effects] or [publication.publish_at]
+        lead = self.meta.commit_window
         for gap in self.history.observer_gaps:
-            if gap.source == source and any(gap.covers(at) for at in moments):
+            if gap.source == source and any(gap.meets(at, at + lead) for at in moments):
                 return gap.describe()
         return None
 

@@ -118,6 +118,10 @@ class Meta:
     frozen_window: float = 1.0
     # Work may look this much early (timestamps from two clocks of one host).
     early_tolerance: float = 0.05
+    # A publication's effects are recorded inside its publish transaction; the commit, which
+    # sends its NOTIFY, comes up to this many seconds later. A witness whose connection
+    # broke that soon after an effect may have lost the notification with its session.
+    commit_window: float = 0.5
     # Sharded leadership of the plugin loop: the shard count (1: one leader), and each
     # task's shard where the harness could ask the database (records carry theirs too).
     shards: int = 1
@@ -337,8 +341,9 @@ class ObserverGap:
     def __post_init__(self) -> None:
         _expect("observer_gap source", self.source, SOURCES)
 
-    def covers(self, at: float) -> bool:
-        return self.start <= at <= self.end
+    def meets(self, start: float, end: float) -> bool:
+        """Whether the witness was not watching at some moment from start to end."""
+        return self.start <= end and start <= self.end
 
     def describe(self) -> str:
         return f"{self.source} not watching {clock(self.start)} to {clock(self.end)}"
