@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck pytest browser test-long chaos bench bench-quick constraints clean
+.PHONY: run test lint typecheck pytest browser durations test-long chaos bench bench-quick constraints clean
 
 # The test suite's sample plugin is not installed here (the suite puts it on PYTHONPATH),
 # so `make run` starts a daemon with nothing but what you configure; older venvs lose it.
@@ -30,8 +30,10 @@ typecheck: $(STAMP)
 
 # The suite mostly waits on real processes and servers, so two workers halve its time even
 # on two cores; each worker has its own throwaway PostgreSQL, and a file's tests stay on one.
+# Files are handed out heaviest first, by tests/file_durations.json (`make durations`
+# refreshes it), not by xdist's count of tests per file: see tests/rig/durations.py.
 PYTEST_WORKERS ?= 2
-PYTEST_XDIST = -n $(PYTEST_WORKERS) --dist loadfile
+PYTEST_XDIST = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The tests marked browser (any test using the browser fixture is) run in `make browser`.
 # The 30 slowest tests are listed at the end: where the suite's time goes.
@@ -46,6 +48,10 @@ browser: $(STAMP)
 	$(BIN)/pytest -q -m browser $(PYTEST_BROWSER_ARGS)
 
 test: lint typecheck pytest browser
+
+# Runs the main stage and records each file's time, for the order above.
+durations: $(STAMP)
+	$(MAKE) pytest PYTEST_ARGS="--record-file-durations tests/file_durations.json $(PYTEST_ARGS)"
 
 # The long variants kept out of `make test` (tests marked chaos_long), the soak excepted.
 test-long: $(STAMP)

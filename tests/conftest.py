@@ -38,7 +38,7 @@ from rig.tcpproxy import TcpProxy
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, BrowserContext, Page
 
-pytest_plugins = ["pytester", "rig.plugin"]
+pytest_plugins = ["pytester", "rig.plugin", "rig.durations"]
 
 PG_TEMPLATE = "scheduler_template"
 
