@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import sqlite3
 import sys
@@ -23,6 +24,7 @@ from rig.databases import (
     new_database_name,
     replace_host_port,
 )
+from rig.durations import heaviest_first
 from rig.overlap import find_overlaps
 from rig.pgcluster import PgCluster
 from rig.plugin import ci_is_set
@@ -454,3 +456,31 @@ def test_chaos_long_is_deselected_unless_run_long(pytester: pytest.Pytester) -> 
     )
     _run_inner(pytester).assert_outcomes(passed=1, deselected=1)
     _run_inner(pytester, "--run-long").assert_outcomes(passed=2)
+
+
+# -- pytest plugin: the suite's time, heaviest files first ----------------------------------
+
+
+def test_files_are_ordered_heaviest_first_unrecorded_before_all() -> None:
+    @dataclass
+    class Item:
+        nodeid: str
+
+    items = [Item(n) for n in ("a.py::x", "b.py::y", "a.py::z", "new.py::w", "c.py::v")]
+    ordered = heaviest_first(items, {"a.py": 5.0, "b.py": 30.0, "c.py": 1.0})  # type: ignore[arg-type]
+    assert [item.nodeid for item in ordered] == [
+        "new.py::w", "b.py::y", "a.py::x", "a.py::z", "c.py::v",
+    ]  # fmt: skip
+
+
+def test_each_files_time_is_recorded(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_slow="import time\n\ndef test_one():\n    time.sleep(0.2)\n\ndef test_two():\n    pass\n",
+        test_quick="def test_three():\n    pass\n",
+    )
+    record = pytester.path / "durations.json"
+    result = _run_inner(pytester, "-p", "rig.durations", "--record-file-durations", str(record))
+    result.assert_outcomes(passed=3)
+    seconds = json.loads(record.read_text())
+    assert list(seconds) == ["test_slow.py", "test_quick.py"]
+    assert seconds["test_slow.py"] >= 0.2
