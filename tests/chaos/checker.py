@@ -18,6 +18,8 @@ boolean. Violation kinds:
 ``wrong_shard``            sharded: a run in another shard than its task's, or a Python
                            record of a run with no shard.
 ``lock_left``              an advisory lock held after every replica stopped.
+``unclean_stop``           a replica that did not exit 0 on SIGTERM (or had to be killed
+                           after the harness's wait), or that exited unbidden.
 ``early``                  work before it was due (due-ness must follow the database clock).
 ``late``                   lateness outside fault windows above ``meta.lateness_bound``.
 ``incomplete_history``     a history that cannot prove anything it is asked to.
@@ -163,6 +165,7 @@ def check(history: History) -> CheckResult:
     checker.overlaps()
     checker.tokens()
     checker.locks()
+    checker.stops()
     checker.plugin_lateness()
     checker.completeness()
     return CheckResult(
@@ -711,6 +714,16 @@ class _Checker:
             self.flag("token_regression", text, [record, *episode], first_at, _loop(loop))
 
     # 5. nothing left behind --------------------------------------------------------------
+
+    def stops(self) -> None:
+        """Promise 7: a SIGTERM is a graceful stop, exit 0 (docs/operations.md's exit
+        codes); a replica never exits by itself under faults it is meant to ride out."""
+        for exit in self.history.exits:
+            if exit.signal == "SIGKILL" and not exit.forced:
+                continue
+            if exit.signal == "SIGTERM" and exit.code == 0 and not exit.forced:
+                continue
+            self.flag("unclean_stop", exit.describe(), [exit], exit.at)
 
     def locks(self) -> None:
         locks = self.history.final_locks

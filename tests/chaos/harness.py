@@ -122,6 +122,10 @@ class Incarnation:
     frozen_by: int | None = None
     thawed: float | None = None
     thawed_by: str | None = None
+    # The signal the harness ended it with, and whether a SIGTERM had to be followed by a
+    # SIGKILL (the checker's unclean_stop).
+    ended_by: str | None = None
+    forced: bool = False
 
 
 @dataclass
@@ -274,6 +278,7 @@ class ChaosRun:
                 if sig != signal.SIGKILL:
                     current.process.signal(signal.SIGCONT)
                 current.process.signal(sig)
+                current.ended_by = signal.Signals(sig).name
                 if current.frozen_by is not None and current.thawed is None:
                     current.thawed, current.thawed_by = time.time(), why
         if sent is not None:
@@ -282,6 +287,7 @@ class ChaosRun:
             current.process.popen.wait(wait)
         except subprocess.TimeoutExpired:
             current.process.kill()
+            current.forced = True
         current.ended = time.time()
 
     def _stop_all(self) -> float:
@@ -290,6 +296,7 @@ class ChaosRun:
             if replica.current is not None:
                 replica.current.process.signal(signal.SIGCONT)
                 replica.current.process.signal(signal.SIGTERM)
+                replica.current.ended_by = "SIGTERM"
         for replica in self.replicas:
             self._end(replica, None)
         return time.time()
@@ -750,11 +757,14 @@ class ChaosRun:
                            "instance": incarnation.instance, "event": event,
                            "token": entry.get("fencing_token"),
                            "at": at.timestamp() - skew}  # fmt: skip
-                if incarnation.ended is None:
-                    continue
                 code = incarnation.process.poll()
+                if incarnation.ended is None and code is None:
+                    continue  # still running (the history is written after the stop)
+                # A process that exited unbidden was never waited for: its end is when
+                # this noticed, at the latest.
                 yield {"type": "exit", "instance": incarnation.instance, "code": code,
-                       "at": incarnation.ended}  # fmt: skip
+                       "at": incarnation.ended or time.time(),
+                       "signal": incarnation.ended_by, "forced": incarnation.forced}  # fmt: skip
 
 
 def _key_order(key: str) -> int:

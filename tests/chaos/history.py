@@ -323,10 +323,16 @@ class ProcessExit:
     instance: str
     code: int | None
     at: float
+    # What ended it: "SIGTERM" or "SIGKILL" from the harness, None if it exited unbidden;
+    # forced: a SIGTERM it did not answer within the harness's wait, then SIGKILL.
+    signal: str | None = None
+    forced: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
-        return f"{self.instance} exited ({self.code}) at {clock(self.at)}"
+        why = f"after {self.signal}" if self.signal else "unbidden"
+        forced = ", killed after waiting for it" if self.forced else ""
+        return f"{self.instance} exited ({self.code}) {why}{forced} at {clock(self.at)}"
 
 
 @dataclass(frozen=True, slots=True)

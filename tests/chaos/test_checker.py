@@ -76,7 +76,7 @@ def crafted(**meta: Any) -> History:
     )
     history = History(replace(base, **meta), final_locks=[])
     history.faults.append(Fault("sigkill", "r1", at(HANDOVER), at(HANDOVER)))
-    history.exits.append(ProcessExit("r1.1", -9, at(HANDOVER)))
+    history.exits.append(ProcessExit("r1.1", -9, at(HANDOVER), "SIGKILL"))
     for loop in LOOPS:
         history.leaders.append(LeaderEvent(loop, "r1.1", "acquired", at(0.5), 1))
         history.leaders.append(LeaderEvent(loop, "r2.1", "acquired", at(HANDOVER + 0.2), 2))
@@ -414,6 +414,28 @@ def test_a_witness_that_was_not_watching_misses_nothing(gap: tuple[float, float]
     assert [a.kind for a in result.allowed] == ["unobserved_publication"]
 
 
+@pytest.mark.parametrize(
+    ("signal", "code", "forced", "clean"),
+    [
+        ("SIGTERM", 0, False, True),
+        ("SIGKILL", -9, False, True),
+        ("SIGTERM", 1, False, False),  # a graceful stop that failed
+        ("SIGTERM", -9, True, False),  # no exit within the harness's wait: killed
+        (None, 70, False, False),  # exited unbidden (a bug, or gave up on the database)
+    ],
+)
+def test_a_sigterm_ends_in_exit_0_and_no_replica_exits_unbidden(
+    signal: str | None, code: int, forced: bool, clean: bool
+) -> None:
+    history = crafted()
+    history.exits.append(ProcessExit("r2.1", code, at(59), signal, forced))
+    result = check(history)
+    if clean:
+        assert result.ok, result.explain()
+        return
+    only(result, "unclean_stop", f"r2.1 exited ({code})")
+
+
 # -- generated histories ------------------------------------------------------------------
 
 NAMES = ("r1.1", "r2.1", "r3.1", "r1.2", "r2.2")
@@ -587,7 +609,7 @@ def test_the_harness_records_load_as_written(tmp_path: Path) -> None:
             "token": None,
             "at": at(3),
         },
-        {"type": "exit", "instance": "r2.1", "code": 0, "at": at(9)},
+        {"type": "exit", "instance": "r2.1", "code": 0, "at": at(9), "signal": "SIGTERM"},
         {"type": "final_locks", "locks": []},
     ]
     path = tmp_path / "history.jsonl"
@@ -752,7 +774,7 @@ def crafted_sharded(**meta: Any) -> History:
     )
     history = History(replace(base, **meta), final_locks=[])
     history.faults.append(Fault("scale_down", "r1", at(LEAVE), at(45.0), "r1.1"))
-    history.exits.append(ProcessExit("r1.1", 0, at(LEAVE + 0.1)))
+    history.exits.append(ProcessExit("r1.1", 0, at(LEAVE + 0.1), "SIGTERM"))
     history.leaders += [
         LeaderEvent("plugin", "r1.1", "acquired", at(0.4), 5),
         LeaderEvent("plugin", "r2.1", "acquired", at(0.45), 3),
