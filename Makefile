@@ -54,6 +54,8 @@ durations: $(STAMP)
 	$(MAKE) pytest PYTEST_ARGS="--record-file-durations tests/file_durations.json $(PYTEST_ARGS)"
 
 # The long variants kept out of `make test` (tests marked chaos_long), the soak excepted.
+# Run it after a change to leadership/ or loops/: the scripted proofs of promises 2, 3 and 6
+# live here (docs/guarantees.md); `make test` has only the chaos slice and narrower tests.
 test-long: $(STAMP)
 	$(BIN)/pytest -q $(PYTEST_XDIST) --run-long -m chaos_long \
 	    --deselect tests/chaos/test_chaos.py::test_chaos_soak $(PYTEST_ARGS)
