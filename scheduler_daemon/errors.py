@@ -1,4 +1,28 @@
-"""The daemon's own exceptions, and the exit codes they map to (see sysexits.h)."""
+"""The daemon's own exceptions, the exit codes they map to (see sysexits.h), and the rule
+they carry out: bad input never stops the daemon (README promise 8).
+
+Bad input is refused in one line where it arrives, or isolated where it runs; only a bug
+ends the daemon. Where each kind is handled:
+
+- configuration (environment, TOML): refused before anything starts, exit 78, one line
+  naming the key or variable (``config/explain.py``, ``ConfigError``);
+- a login or privilege the database refuses: exit 78 at once, never retried
+  (``LoginRefused``, ``PrivilegeRefused``; ``db/connect.py``, ``db/privileges.py``);
+- an unreachable database: retried with backoff within ``database.startup_budget``, then
+  exit 69 (``DatabaseUnavailable``; ``db/connect.py``); once running, the loops retry
+  database trouble for ever (``loops/base.py``);
+- a request refused by the CLI or ``Client`` (key, time, payload): exit 65, nothing
+  changed (``InvalidInput``; ``client/rules.py``);
+- a publisher that raises, or hangs past ``publish.publisher_timeout``: its batch is
+  retried row by row and only the bad row fails (``loops/publish.py``);
+- a plugin task that raises, or runs past its ``timeout``: the run is recorded failed or
+  timed_out and the loop goes on (``loops/plugin_runs.py``);
+- anything else is a bug: the loop ends and the daemon exits 70 with a traceback
+  (``loops/base.py``, ``daemon.py``); a command prints one line and its code
+  (``handles_errors`` in ``cli/common.py``).
+
+The proof is ``tests/test_bad_input.py``; docs/guarantees.md has the whole map.
+"""
 
 from __future__ import annotations
 

@@ -14,16 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import asyncpg
-import click
 import pytest
-from click.testing import CliRunner
-from rig.databases import PgServer, replace_dbname, run_sync, with_user
-from rig.pgcluster import PgCluster
+from rig.commands import CONNECTING_COMMANDS, REFUSAL_ENV
+from rig.databases import PgServer, with_user
 from rig.ports import free_port
 from rig.processes import DaemonProcess, Daemons, run_cli
 from rig.sql import execute
 
-from scheduler_daemon.cli.common import handles_errors
 from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.db.connect import (
     explain_database_error,
@@ -34,45 +31,6 @@ from scheduler_daemon.db.connect import (
 from scheduler_daemon.db.url import DatabaseUrl
 from scheduler_daemon.errors import EXIT_CONFIG, LoginRefused, PrivilegeRefused
 from scheduler_daemon.logs import get_logger
-
-BAD_VALUES = [
-    ({"SCHEDULER_PUBLISH__INTERVAL": "-1"}, "publish.interval"),
-    ({"SCHEDULER_PUBLISH__BATCH_SIZE": "many"}, "publish.batch_size"),
-    ({"SCHEDULER_DATABASE_URL": "redis://localhost/0"}, "database_url"),
-    ({"SCHEDULER_LOCK__MODE": "sometimes"}, "lock.mode"),
-    ({"SCHEDULER_LOCK__HEARTBEAT_INTERVAL": "30s"}, "lock"),
-    ({"SCHEDULER_PUBLISH__PUBLISHERS": "notify"}, "publish"),
-]
-
-
-@pytest.mark.parametrize("command", [["check-config"], ["run"], ["migrate"]])
-@pytest.mark.parametrize(("env", "key"), BAD_VALUES)
-def test_invalid_config_exits_78_naming_the_key(
-    tmp_path: Path, command: list[str], env: dict[str, str], key: str
-) -> None:
-    result = run_cli(command, env, cwd=tmp_path)
-    assert result.returncode == 78, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert key in lines[0]
-    assert not (tmp_path / "scheduler.db").exists(), "nothing may happen on bad config"
-
-
-@pytest.mark.parametrize(
-    ("toml", "key"),
-    [
-        ("[publish\ninterval = 1\n", "invalid TOML"),
-        ("[publish]\nintreval = 1\n", "publish.intreval: unknown key"),
-        ("[[plugin.tasks]]\nname = 'x'\nevery = '1s'\ntarget = 'no.such.module:f'\n", "'x'"),
-    ],
-)
-def test_invalid_config_file_exits_78(tmp_path: Path, toml: str, key: str) -> None:
-    config = tmp_path / "config.toml"
-    config.write_text(toml)
-    result = run_cli(["check-config", "--config", str(config)], cwd=tmp_path)
-    assert result.returncode == 78
-    assert key in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_check_config_prints_the_effective_config_without_secrets(tmp_path: Path) -> None:
@@ -112,25 +70,6 @@ def test_check_config_redacts_the_webhook_url(tmp_path: Path) -> None:
     assert webhook["secret"] == "**********"
 
 
-def test_unreachable_database_retries_then_exits_69(daemons: Daemons) -> None:
-    url = f"postgresql://app:hunter2@127.0.0.1:{free_port()}/app"
-    started = time.monotonic()
-    process = daemons.start(
-        {"SCHEDULER_DATABASE_URL": url, "SCHEDULER_DATABASE__STARTUP_BUDGET": "3s"}
-    )
-    assert process.wait(timeout=30) == 69
-    elapsed = time.monotonic() - started
-    assert 3 <= elapsed < 25, elapsed
-    retries = [e for e in process.log_events() if e.get("event") == "db.connect_failed"]
-    assert len(retries) >= 3, "it must retry with backoff before giving up"
-    delays = [e["retry_in"] for e in retries]
-    assert max(delays[:3]) < max(delays), f"backoff should grow: {delays}"
-    output = process.output()
-    assert "hunter2" not in output
-    assert "app:***@" in output
-    assert "database.startup_budget" in output.strip().splitlines()[-1]
-
-
 @pytest.mark.parametrize(
     "args",
     [["schedule", "--at", "+1h"], ["cancel", "1"], ["tasks", "list"], ["tasks", "pause", "x"]],
@@ -155,100 +94,6 @@ def test_one_shot_commands_exit_69_when_the_database_is_down(
     assert plain == [lines[-1]], result.stderr
     assert lines[-1].startswith("scheduler-daemon: database postgresql://app:***@127.0.0.1:")
     assert "unreachable for 1s (database.command_budget)" in lines[-1]
-
-
-# -- a login the database refuses is configuration: exit 78 at once, never retried ---------
-
-# Every command that connects; `run` goes through the daemon (HTTP off, see DEFAULT_ENV).
-CONNECTING_COMMANDS = [
-    ["run"],
-    ["preflight"],
-    ["migrate"],
-    ["status", "--json"],
-    ["schedule", "--at", "+1h"],
-    ["tasks", "list"],
-]
-# Long enough that a retried refusal could not pass for a fast one.
-REFUSAL_ENV = {"SCHEDULER_DATABASE__STARTUP_BUDGET": "30s"}
-
-
-def assert_refused_login(tmp_path: Path, url: str, what: str, secret: str | None = None) -> None:
-    """Every connecting command exits 78 within seconds, one plain line naming `what`."""
-    for args in CONNECTING_COMMANDS:
-        started = time.monotonic()
-        result = run_cli(args, {"SCHEDULER_DATABASE_URL": url, **REFUSAL_ENV}, cwd=tmp_path)
-        elapsed = time.monotonic() - started
-        assert result.returncode == EXIT_CONFIG, (args, result.returncode, result.stderr)
-        assert elapsed < 10, (args, elapsed)
-        lines = result.stderr.strip().splitlines()
-        assert "db.connect_failed" not in result.stderr, f"{args}: retried\n{result.stderr}"
-        assert "Traceback" not in result.stderr
-        plain = [line for line in lines if not line.startswith("{")]
-        assert plain == [lines[-1]], result.stderr
-        assert "refused the login" in lines[-1], lines[-1]
-        assert what in lines[-1], lines[-1]
-        if secret is not None:
-            assert secret not in result.stderr + result.stdout
-
-
-def test_unknown_database_exits_78_at_once(tmp_path: Path, pg_server: PgServer) -> None:
-    name = f"no_such_db_{secrets.token_hex(4)}"
-    url = replace_dbname(pg_server.admin_dsn, name)
-    assert_refused_login(tmp_path, url, f'database "{name}" does not exist')
-
-
-def test_unknown_role_exits_78_at_once(tmp_path: Path, pg_server: PgServer) -> None:
-    role = f"no_such_role_{secrets.token_hex(4)}"
-    url = with_user(pg_server.admin_dsn, role)
-    assert_refused_login(tmp_path, url, f'role "{role}" does not exist')
-
-
-async def _wait_for_password_auth(dsn: str) -> None:
-    """pg_reload_conf() only signals the postmaster: wait until a wrong password fails."""
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            conn = await asyncpg.connect(dsn)
-        except asyncpg.InvalidPasswordError:
-            return
-        await conn.close()
-        assert time.monotonic() < deadline, "pg_hba.conf reload did not take effect"
-        await asyncio.sleep(0.05)
-
-
-@pytest.fixture
-def password_role(pg_cluster: PgCluster, pg_server: PgServer) -> Iterator[tuple[str, str]]:
-    """A role that must log in with its password (scram-sha-256), though the throwaway
-    cluster trusts everyone else: a pg_hba.conf rule for this role alone, first."""
-    role, password = f"pw_{secrets.token_hex(4)}", secrets.token_hex(8)
-    execute(pg_server.admin_dsn, f"CREATE ROLE {role} LOGIN SUPERUSER PASSWORD '{password}'")
-    hba = pg_cluster.data_dir / "pg_hba.conf"
-    original = hba.read_text()
-    rule = f"host all {role} {pg_cluster.host}/32 scram-sha-256\n"
-    hba.write_text(rule + original)  # rewritten in place: the server's user keeps owning it
-    try:
-        execute(pg_server.admin_dsn, "SELECT pg_reload_conf()")
-        run_sync(_wait_for_password_auth(with_user(pg_server.admin_dsn, role, "wrong")))
-        yield role, password
-    finally:
-        hba.write_text(original)
-        pg_server.ensure_running()
-        execute(pg_server.admin_dsn, "SELECT pg_reload_conf()", f"DROP ROLE {role}")
-
-
-def test_wrong_password_exits_78_at_once(
-    tmp_path: Path, pg_url: str, password_role: tuple[str, str]
-) -> None:
-    role, password = password_role
-    url = with_user(pg_url, role, "hunter2")
-    assert_refused_login(
-        tmp_path, url, f'password authentication failed for user "{role}"', secret="hunter2"
-    )
-    # The right password gets in: the refusal above was about the password.
-    right = run_cli(
-        ["status", "--json"], {"SCHEDULER_DATABASE_URL": with_user(pg_url, role, password)}
-    )
-    assert right.returncode == 0, right.stderr
 
 
 @pytest.mark.parametrize(
@@ -816,20 +661,6 @@ async def test_a_missing_privilege_is_not_retried() -> None:
     assert info.value.exit_code == EXIT_CONFIG
     assert "permission denied for schema public (SQLSTATE 42501)" in str(info.value)
     assert "'app'" in str(info.value)
-
-
-def test_a_bug_is_one_line_and_exit_70() -> None:
-    @click.command()
-    @handles_errors
-    def broken() -> None:
-        raise RuntimeError("something impossible")
-
-    result = CliRunner().invoke(broken, [])
-    assert result.exit_code == 70
-    assert result.output == (
-        "scheduler-daemon: internal error (a bug; SCHEDULER_LOG__LEVEL=debug prints the "
-        "traceback): RuntimeError: something impossible\n"
-    )
 
 
 def test_a_missing_sqlite_directory_is_configuration(tmp_path: Path) -> None:

@@ -43,3 +43,16 @@ def real(
     """``scheduler-daemon ARGS`` as a process of its own."""
     result = run_cli(args, env, cwd=cwd, timeout=timeout)
     return Outcome(result.returncode, result.stdout, result.stderr)
+
+
+# Every command that connects; `run` goes through the daemon (HTTP off, see DEFAULT_ENV).
+CONNECTING_COMMANDS = [
+    ["run"],
+    ["preflight"],
+    ["migrate"],
+    ["status", "--json"],
+    ["schedule", "--at", "+1h"],
+    ["tasks", "list"],
+]
+# Long enough that a retried refusal could not pass for a fast one.
+REFUSAL_ENV = {"SCHEDULER_DATABASE__STARTUP_BUDGET": "30s"}
