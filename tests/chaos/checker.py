@@ -54,6 +54,7 @@ Shard tokens come from the runs and the ``shard.acquired`` lines; the member-lev
 from __future__ import annotations
 
 import math
+import signal
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -501,10 +502,12 @@ class _Checker:
     def _unwatched(
         self, source: str, publication: Publication, effects: Sequence[PublishEffect]
     ) -> str | None:
-        moments = [e.at for e in effects] or [publication.publish_at]
+        # The last effect, not any: an attempt rolled back (its NOTIFY never sent) leaves
+        # effects outside the database, and the republish that committed came after them.
+        last = max((e.at for e in effects), default=publication.publish_at)
         lead = self.meta.commit_window
         for gap in self.history.observer_gaps:
-            if gap.source == source and any(gap.meets(at, at + lead) for at in moments):
+            if gap.source == source and gap.meets(last, last + lead):
                 return gap.describe()
         return None
 
@@ -718,12 +721,16 @@ class _Checker:
     def stops(self) -> None:
         """Promise 7: a SIGTERM is a graceful stop, exit 0 (docs/operations.md's exit
         codes); a replica never exits by itself under faults it is meant to ride out."""
+        expected = {"SIGTERM": 0, "SIGKILL": -signal.SIGKILL}
         for exit in self.history.exits:
-            if exit.signal == "SIGKILL" and not exit.forced:
-                continue
-            if exit.signal == "SIGTERM" and exit.code == 0 and not exit.forced:
-                continue
-            self.flag("unclean_stop", exit.describe(), [exit], exit.at)
+            if exit.unbidden or exit.forced:
+                clean = False
+            elif exit.signal is None:  # an older history: the code alone
+                clean = exit.code in expected.values()
+            else:
+                clean = exit.code == expected.get(exit.signal)
+            if not clean:
+                self.flag("unclean_stop", exit.describe(), [exit], exit.at)
 
     def locks(self) -> None:
         locks = self.history.final_locks

@@ -126,6 +126,7 @@ class Incarnation:
     # SIGKILL (the checker's unclean_stop).
     ended_by: str | None = None
     forced: bool = False
+    unbidden: bool = False  # it had exited before the harness signalled it
 
 
 @dataclass
@@ -275,6 +276,8 @@ class ChaosRun:
             return
         if sig is not None:
             with self._lock:
+                if current.process.poll() is not None:
+                    current.unbidden = True  # it had exited already: no signal ended it
                 if sig != signal.SIGKILL:
                     current.process.signal(signal.SIGCONT)
                 current.process.signal(sig)
@@ -294,6 +297,8 @@ class ChaosRun:
         """SIGTERM to every replica at once (as `docker compose stop` does), then wait."""
         for replica in self.replicas:
             if replica.current is not None:
+                if replica.current.process.poll() is not None:
+                    replica.current.unbidden = True
                 replica.current.process.signal(signal.SIGCONT)
                 replica.current.process.signal(signal.SIGTERM)
                 replica.current.ended_by = "SIGTERM"
@@ -764,7 +769,8 @@ class ChaosRun:
                 # this noticed, at the latest.
                 yield {"type": "exit", "instance": incarnation.instance, "code": code,
                        "at": incarnation.ended or time.time(),
-                       "signal": incarnation.ended_by, "forced": incarnation.forced}  # fmt: skip
+                       "signal": incarnation.ended_by, "forced": incarnation.forced,
+                       "unbidden": incarnation.unbidden or incarnation.ended is None}  # fmt: skip
 
 
 def _key_order(key: str) -> int:

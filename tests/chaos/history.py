@@ -24,7 +24,10 @@ checked again later, by a newer checker, without running it again:
 ``leader``         loop, instance, event (``acquired`` / ``released`` / ``lost``), at, token:
                    from the replicas' ``leader.*`` log lines; with ``shard`` (not null),
                    from their ``shard.*`` lines: one shard of the plugin loop changed owner.
-``exit``           a replica process ended: instance, code, at.
+``exit``           a replica process ended: instance, code, at; ``signal`` (``SIGTERM`` /
+                   ``SIGKILL``: what the harness ended it with), ``forced`` (a SIGTERM not
+                   answered in time, then SIGKILL), ``unbidden`` (it exited before anyone
+                   asked). Histories older than these fields have the code alone.
 ``observer_gap``   source, start, end: a witness that was not watching (the notify listener
                    reconnecting), so a publication it missed then is not a loss.
 ``final_locks``    ``locks``: the advisory locks still held after every replica stopped.
@@ -323,16 +326,18 @@ class ProcessExit:
     instance: str
     code: int | None
     at: float
-    # What ended it: "SIGTERM" or "SIGKILL" from the harness, None if it exited unbidden;
-    # forced: a SIGTERM it did not answer within the harness's wait, then SIGKILL.
+    # What ended it: "SIGTERM" or "SIGKILL" from the harness (None: not recorded, as in
+    # older histories); forced: a SIGTERM it did not answer within the harness's wait,
+    # then SIGKILL; unbidden: it had exited before the harness asked anything of it.
     signal: str | None = None
     forced: bool = False
+    unbidden: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
-        why = f"after {self.signal}" if self.signal else "unbidden"
+        why = " unbidden" if self.unbidden else f" after {self.signal}" if self.signal else ""
         forced = ", killed after waiting for it" if self.forced else ""
-        return f"{self.instance} exited ({self.code}) {why}{forced} at {clock(self.at)}"
+        return f"{self.instance} exited ({self.code}){why}{forced} at {clock(self.at)}"
 
 
 @dataclass(frozen=True, slots=True)

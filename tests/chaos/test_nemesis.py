@@ -158,7 +158,9 @@ def test_the_slice_plans_its_guarantees_within_its_length(seed: int, tmp_path: P
         by_id[intent.during].target if intent.target == "outer" and intent.during is not None
         else intent.target
         for intent in intents
-        if intent.kind in hands_over
+        # A partition hands over only if it outlasts the server's release of the cut-off
+        # leader's lock: about 4 s with the slice's timings (keepalive 1 + 3 x 1 s).
+        if intent.kind in hands_over and (intent.kind != "partition" or intent.duration >= 4.5)
     }  # fmt: skip
     assert {"leader:publish", "leader:plugin"} <= aimed
 
