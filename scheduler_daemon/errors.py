@@ -17,9 +17,13 @@ ends the daemon. Where each kind is handled:
   retried row by row and only the bad row fails (``loops/publish.py``);
 - a plugin task that raises, or runs past its ``timeout``: the run is recorded failed or
   timed_out and the loop goes on (``loops/plugin_runs.py``);
-- anything else is a bug: the loop ends and the daemon exits 70 with a traceback
+- anything else escaping a loop's leadership (the guard, its hooks, a service such as
+  the webhook deliverer) is a bug: the loop ends and the daemon exits 70 with a traceback
   (``loops/base.py``, ``daemon.py``); a command prints one line and its code
-  (``handles_errors`` in ``cli/common.py``).
+  (``handles_errors`` in ``cli/common.py``);
+- the one exception: an error inside a tick, a bug or not, is logged with its traceback
+  (``tick.failed``; the ``SchedulerTicksFailing`` alert) and the tick is tried again next
+  interval, the other loop going on (``loops/base.py``).
 
 The proof is ``tests/test_bad_input.py``; docs/guarantees.md has the whole map.
 """

@@ -883,8 +883,9 @@ def test_a_database_error_is_one_line(pg_url: str) -> None:
     ids=" ".join,
 )
 def test_a_database_that_refuses_connections(quiet_env: None, args: list[str]) -> None:
-    """Nothing listens (tests/test_cli.py covers `run`, `schedule`, `cancel`, `tasks list`
-    and `pause`): retried within the command budget, then 69 and one line."""
+    """Nothing listens (tests/test_bad_input.py covers `run`, tests/test_cli.py `schedule`,
+    `cancel`, `tasks list` and `pause`): retried within the command budget, then 69 and
+    one line."""
     url = f"postgresql://app:hunter2@127.0.0.1:{free_port()}/app"
     started = time.monotonic()
     outcome = invoke(args, url_env(url, SCHEDULER_DATABASE__COMMAND_BUDGET="0.3s"))

@@ -21,7 +21,7 @@ from typing import Any
 
 import asyncpg
 import pytest
-from rig.processes import DaemonProcess, Daemons
+from rig.processes import Daemons
 from rig.sql import fetch, scalar
 from rig.waiting import wait_until
 from test_publish import start
@@ -68,10 +68,6 @@ def by_status(url: str, status: str) -> list[dict[str, Any]]:
     )
 
 
-def events(process: DaemonProcess, name: str) -> list[dict[str, Any]]:
-    return [entry for entry in process.log_events() if entry.get("event") == name]
-
-
 # -- real daemons -------------------------------------------------------------------
 
 
@@ -109,12 +105,12 @@ def test_python_publisher_network_error_fails_only_its_row(
     wait_until(lambda: pending(url) == 0, timeout=10, what="the row scheduled afterwards")
     assert by_status(url, "published")[-1]["id"] == later
 
-    failed_batches = events(process, "publish.batch_failed")
+    failed_batches = process.events("publish.batch_failed")
     assert len(failed_batches) == 1
     assert failed_batches[0]["error"].startswith(f"{error}:")
-    assert [e["publication_id"] for e in events(process, "publish.row_failed")] == [poison]
-    assert not events(process, "publish.batch_retry"), "not a database error: no retry"
-    assert not events(process, "tick.failed")
+    assert [e["publication_id"] for e in process.events("publish.row_failed")] == [poison]
+    assert not process.events("publish.batch_retry"), "not a database error: no retry"
+    assert not process.events("tick.failed")
 
 
 def test_a_publisher_that_hangs_times_out_and_fails_only_its_row(
@@ -140,8 +136,8 @@ def test_a_publisher_that_hangs_times_out_and_fails_only_its_row(
     )
     assert by_status(url, "failed") == [{"id": hung, "key": "h4", "last_error": timed_out}]
     assert [row["id"] for row in by_status(url, "published")] == [i for i in ids if i != hung]
-    assert [e["error"] for e in events(process, "publish.batch_failed")] == [timed_out]
-    assert not events(process, "tick.failed")
+    assert [e["error"] for e in process.events("publish.batch_failed")] == [timed_out]
+    assert not process.events("tick.failed")
 
 
 @pytest.mark.postgres
@@ -188,12 +184,12 @@ def test_sql_statement_timeout_on_one_row_is_bounded(
     wait_until(lambda: pending(pg_url) == 0, timeout=10, what="the row scheduled afterwards")
     assert by_status(pg_url, "published")[-1]["id"] == later
 
-    retries = events(process, "publish.batch_retry")
+    retries = process.events("publish.batch_retry")
     assert [e["attempt"] for e in retries] == list(range(1, TRANSIENT_BATCH_ATTEMPTS + 1))
     assert all("statement timeout" in e["error"] for e in retries)
-    [isolated] = events(process, "publish.batch_isolated")
+    [isolated] = process.events("publish.batch_isolated")
     assert isolated["attempts"] == TRANSIENT_BATCH_ATTEMPTS
-    assert [e["publication_id"] for e in events(process, "publish.row_failed")] == [poison]
+    assert [e["publication_id"] for e in process.events("publish.row_failed")] == [poison]
 
 
 # -- the decisions, without processes ----------------------------------------------

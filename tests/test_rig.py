@@ -473,14 +473,22 @@ def test_files_are_ordered_heaviest_first_unrecorded_before_all() -> None:
     ]  # fmt: skip
 
 
-def test_each_files_time_is_recorded(pytester: pytest.Pytester) -> None:
+def test_each_files_time_is_recorded_merged_and_only_from_a_passing_run(
+    pytester: pytest.Pytester,
+) -> None:
     pytester.makepyfile(
         test_slow="import time\n\ndef test_one():\n    time.sleep(0.2)\n\ndef test_two():\n    pass\n",
         test_quick="def test_three():\n    pass\n",
     )
     record = pytester.path / "durations.json"
+    record.write_text(json.dumps({"test_elsewhere.py": 99.0, "test_quick.py": 50.0}))
     result = _run_inner(pytester, "-p", "rig.durations", "--record-file-durations", str(record))
     result.assert_outcomes(passed=3)
     seconds = json.loads(record.read_text())
-    assert list(seconds) == ["test_slow.py", "test_quick.py"]
+    assert list(seconds) == ["test_elsewhere.py", "test_slow.py", "test_quick.py"]
     assert seconds["test_slow.py"] >= 0.2
+    assert seconds["test_quick.py"] < 50.0, "measured again"
+    pytester.makepyfile(test_broken="def test_four():\n    assert False\n")
+    result = _run_inner(pytester, "-p", "rig.durations", "--record-file-durations", str(record))
+    result.assert_outcomes(passed=3, failed=1)
+    assert json.loads(record.read_text()) == seconds, "a failing run records nothing"

@@ -60,7 +60,12 @@ class DurationRecorder:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.seconds[file_of(report.nodeid)] += report.duration
 
-    def pytest_sessionfinish(self) -> None:
-        ordered = dict(sorted(self.seconds.items(), key=lambda kv: -kv[1]))
-        rounded = {name: round(seconds, 1) for name, seconds in ordered.items()}
-        self.path.write_text(json.dumps(rounded, indent=1) + "\n")
+    def pytest_sessionfinish(self, exitstatus: int) -> None:
+        # Only a whole, passing run's times; merged, so that running a few files updates
+        # theirs and keeps the others'.
+        if exitstatus != 0:
+            return
+        seconds = json.loads(self.path.read_text()) if self.path.exists() else {}
+        seconds.update({name: round(total, 1) for name, total in self.seconds.items()})
+        ordered = dict(sorted(seconds.items(), key=lambda kv: -kv[1]))
+        self.path.write_text(json.dumps(ordered, indent=1) + "\n")

@@ -108,6 +108,10 @@ class DaemonProcess:
         """Every JSON log line written to stderr so far, parsed."""
         return self._log.read()
 
+    def events(self, name: str) -> list[dict[str, Any]]:
+        """The log lines so far whose ``event`` is `name`."""
+        return [entry for entry in self.log_events() if entry.get("event") == name]
+
     def wait_for_log(
         self, event: str | Collection[str], timeout: float = 30.0, **fields: Any
     ) -> dict[str, Any]:
