@@ -150,6 +150,34 @@ def test_sigterm_during_startup_retries_exits_promptly(daemons: Daemons) -> None
     assert process.wait(timeout=10) == 0
 
 
+# Holds the import of the CLI for 3 s (a meta path finder runs before any import is
+# found): the daemon's own signal handlers are not up yet, only the entry point's.
+SLOW_CLI_IMPORT = """
+import sys, time
+
+class SlowCli:
+    def find_spec(self, name, path=None, target=None):
+        if name == "scheduler_daemon.cli":
+            time.sleep(3)
+        return None
+
+sys.meta_path.insert(0, SlowCli())
+"""
+
+
+def test_sigterm_before_the_daemon_is_up_exits_0(daemons: Daemons, tmp_path: Path) -> None:
+    """A stop that lands while Python still imports the daemon: was the signal's default
+    action (exit -15), as for a replica scaled down just after it started."""
+    planted = tmp_path / "slow"
+    planted.mkdir()
+    (planted / "sitecustomize.py").write_text(SLOW_CLI_IMPORT)
+    process = daemons.start({"PYTHONPATH": str(planted)})
+    time.sleep(1.5)  # inside the held import, well after Python itself started
+    process.signal(signal.SIGTERM)
+    assert process.wait(timeout=15) == 0, process.output()
+    assert not process.log_events(), "it stopped before it started"
+
+
 def test_run_ticks_on_sqlite_default_and_sigterm_exits_0(daemons: Daemons) -> None:
     """`make run`: no configuration at all, the SQLite file in the working directory."""
     process = daemons.start({"SCHEDULER_PLUGIN__INTERVAL": "0.2", "SCHEDULER_LOG__LEVEL": "debug"})
