@@ -51,7 +51,7 @@ from rig.commands import CONNECTING_COMMANDS, REFUSAL_ENV
 from rig.databases import PgServer, replace_dbname, run_sync, with_user
 from rig.pgcluster import PgCluster
 from rig.ports import free_port
-from rig.processes import Daemons, run_cli
+from rig.processes import Daemons, run_cli, sitecustomize
 from rig.sql import execute, fetch
 from rig.waiting import wait_until
 
@@ -353,11 +353,8 @@ plugin.PluginWork.{method} = planted
 
 
 def plant_bug(tmp_path: Path, method: str) -> str:
-    """A PYTHONPATH entry whose sitecustomize makes PluginWork.`method` raise."""
-    planted = tmp_path / "planted"
-    planted.mkdir()
-    (planted / "sitecustomize.py").write_text(PLANTED_BUG.format(method=method))
-    return str(planted)
+    """A PYTHONPATH entry that makes PluginWork.`method` raise."""
+    return sitecustomize(tmp_path / "planted", PLANTED_BUG.format(method=method))
 
 
 @pytest.mark.postgres

@@ -18,7 +18,7 @@ import pytest
 from rig.commands import CONNECTING_COMMANDS, REFUSAL_ENV
 from rig.databases import PgServer, with_user
 from rig.ports import free_port
-from rig.processes import DaemonProcess, Daemons, run_cli
+from rig.processes import DaemonProcess, Daemons, run_cli, sitecustomize
 from rig.sql import execute
 
 from scheduler_daemon.config.settings import Settings
@@ -168,10 +168,7 @@ sys.meta_path.insert(0, SlowCli())
 def test_sigterm_before_the_daemon_is_up_exits_0(daemons: Daemons, tmp_path: Path) -> None:
     """A stop that lands while Python still imports the daemon: was the signal's default
     action (exit -15), as for a replica scaled down just after it started."""
-    planted = tmp_path / "slow"
-    planted.mkdir()
-    (planted / "sitecustomize.py").write_text(SLOW_CLI_IMPORT)
-    process = daemons.start({"PYTHONPATH": str(planted)})
+    process = daemons.start({"PYTHONPATH": sitecustomize(tmp_path / "slow", SLOW_CLI_IMPORT)})
     time.sleep(1.5)  # inside the held import, well after Python itself started
     process.signal(signal.SIGTERM)
     assert process.wait(timeout=15) == 0, process.output()

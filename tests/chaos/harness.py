@@ -276,12 +276,7 @@ class ChaosRun:
             return
         if sig is not None:
             with self._lock:
-                if current.process.poll() is not None:
-                    current.unbidden = True  # it had exited already: no signal ended it
-                if sig != signal.SIGKILL:
-                    current.process.signal(signal.SIGCONT)
-                current.process.signal(sig)
-                current.ended_by = signal.Signals(sig).name
+                _send(current, sig)
                 if current.frozen_by is not None and current.thawed is None:
                     current.thawed, current.thawed_by = time.time(), why
         if sent is not None:
@@ -297,11 +292,7 @@ class ChaosRun:
         """SIGTERM to every replica at once (as `docker compose stop` does), then wait."""
         for replica in self.replicas:
             if replica.current is not None:
-                if replica.current.process.poll() is not None:
-                    replica.current.unbidden = True
-                replica.current.process.signal(signal.SIGCONT)
-                replica.current.process.signal(signal.SIGTERM)
-                replica.current.ended_by = "SIGTERM"
+                _send(replica.current, signal.SIGTERM)
         for replica in self.replicas:
             self._end(replica, None)
         return time.time()
@@ -771,6 +762,17 @@ class ChaosRun:
                        "at": incarnation.ended or time.time(),
                        "signal": incarnation.ended_by, "forced": incarnation.forced,
                        "unbidden": incarnation.unbidden or incarnation.ended is None}  # fmt: skip
+
+
+def _send(incarnation: Incarnation, sig: int) -> None:
+    """Signal a replica's process (continued first, but for SIGKILL, which a stopped
+    process dies of as it is), noting what ended it, or that it had ended unbidden."""
+    if incarnation.process.poll() is not None:
+        incarnation.unbidden = True  # it had exited already: no signal ended it
+    if sig != signal.SIGKILL:
+        incarnation.process.signal(signal.SIGCONT)
+    incarnation.process.signal(sig)
+    incarnation.ended_by = signal.Signals(sig).name
 
 
 def _key_order(key: str) -> int:

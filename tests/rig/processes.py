@@ -46,6 +46,15 @@ def daemon_env(env: Mapping[str, str]) -> dict[str, str]:
     return merged
 
 
+def sitecustomize(directory: Path, code: str) -> str:
+    """A ``PYTHONPATH`` entry (`directory`, made here) whose ``sitecustomize`` runs `code`
+    as a process starts, before anything of the daemon's is imported: how a test plants a
+    fault in a real process."""
+    directory.mkdir()
+    (directory / "sitecustomize.py").write_text(code)
+    return str(directory)
+
+
 def run_cli(
     args: Sequence[str],
     env: Mapping[str, str] | None = None,
