@@ -539,8 +539,10 @@ def test_a_root_only_config_file_is_read_through_a_credential(hosts: list[Host])
     assert rc == 0, host.text(cursor)
     started = wait_for(lambda: host.events(cursor, "daemon.started"), 10, "daemon.started")
     assert started[0]["instance"] == "configured-host1"
+    # Debug lines are the leader's tick.done: leading may first wait out a predecessor the
+    # test before left (its sessions cut off), so the wait is generous.
     assert wait_for(
-        lambda: [e for e in host.events(cursor) if e.get("level") == "debug"], 10, "a debug line"
+        lambda: [e for e in host.events(cursor) if e.get("level") == "debug"], 30, "a debug line"
     )
 
 
