@@ -37,8 +37,9 @@ from rig.tcpproxy import TcpProxy
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, BrowserContext, Page
+    from rig.scene import Scene  # a plugin (below): imported first by pytest, to rewrite
 
-pytest_plugins = ["pytester", "rig.plugin", "rig.durations"]
+pytest_plugins = ["pytester", "rig.plugin", "rig.durations", "rig.scene"]
 
 PG_TEMPLATE = "scheduler_template"
 
@@ -83,11 +84,13 @@ def pg_template(pg_server: PgServer) -> Iterator[str]:
     run_sync(drop_database(pg_server.admin_dsn, PG_TEMPLATE, grace=0))
 
 
-def _throwaway_database(server: PgServer, template: str | None) -> Iterator[str]:
+def _throwaway_database(server: PgServer, template: str | None, scene: Scene) -> Iterator[str]:
     """A new database for one test; afterwards, fail the test if a connection leaked."""
     name = new_database_name()
     run_sync(create_database(server.admin_dsn, name, template=template))
-    yield server.dsn_for(name)
+    url = server.dsn_for(name)
+    scene.watch_database(url)
+    yield url
     server.ensure_running()
     leaked = run_sync(drop_database(server.admin_dsn, name))
     if leaked:
@@ -95,15 +98,15 @@ def _throwaway_database(server: PgServer, template: str | None) -> Iterator[str]
 
 
 @pytest.fixture
-def pg_url(pg_server: PgServer, pg_template: str) -> Iterator[str]:
+def pg_url(pg_server: PgServer, pg_template: str, scene: Scene) -> Iterator[str]:
     """The URL of a migrated PostgreSQL database of this test's own."""
-    yield from _throwaway_database(pg_server, template=pg_template)
+    yield from _throwaway_database(pg_server, pg_template, scene)
 
 
 @pytest.fixture
-def pg_empty_url(pg_server: PgServer) -> Iterator[str]:
+def pg_empty_url(pg_server: PgServer, scene: Scene) -> Iterator[str]:
     """The URL of an empty (not migrated) PostgreSQL database of this test's own."""
-    yield from _throwaway_database(pg_server, template=None)
+    yield from _throwaway_database(pg_server, None, scene)
 
 
 # -- SQLite -------------------------------------------------------------------------
@@ -117,11 +120,13 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def sqlite_url(sqlite_template: Path, tmp_path: Path) -> str:
+def sqlite_url(sqlite_template: Path, tmp_path: Path, scene: Scene) -> str:
     """The URL of a migrated SQLite database of this test's own (``sqlite:////abs/path``)."""
     path = tmp_path / "scheduler.db"
     copy_sqlite(sqlite_template, path)
-    return sqlite_url_for(path)
+    url = sqlite_url_for(path)
+    scene.watch_database(url)
+    return url
 
 
 @pytest.fixture
@@ -182,7 +187,7 @@ def restore_logging() -> Iterator[None]:
 
 
 @pytest.fixture
-def daemons(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Daemons]:
+def daemons(request: pytest.FixtureRequest, tmp_path: Path, scene: Scene) -> Iterator[Daemons]:
     """Starts daemon processes (``daemons.start(env)``); kills the survivors afterwards."""
     # Fixtures are torn down in reverse order of setup. Setting the test's databases up
     # first means the daemons are killed before those databases' leak check runs, even
@@ -191,6 +196,7 @@ def daemons(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Daemons]
         if name in request.fixturenames:
             request.getfixturevalue(name)
     with Daemons(tmp_path / "daemons") as started:
+        scene.watch_daemons(started)
         yield started
 
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 from rig.docker import Cleanup, DockerError, docker, docker_available, unique_name
+from rig.scene import LEADERS, PG_LOCKS, PG_SESSIONS, TAIL_LINES, Scene
+from rig.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -79,6 +81,20 @@ class Stack:
         report: dict[str, Any] = json.loads(out.stdout)
         return report
 
+    def describe(self) -> str:
+        """For a failed test's scene: the containers, their last log lines, and the
+        database's locks, sessions and leader rows."""
+        ps = self.compose("ps", "--all", check=False).stdout
+        logs = self.compose("logs", "--no-color", "--tail", str(TAIL_LINES), check=False)
+        queries = [arg for sql in (PG_LOCKS, PG_SESSIONS, LEADERS) for arg in ("-c", sql)]
+        database = self.compose(
+            "exec", "-T", "postgres", "psql", "-U", "scheduler", "-d", "scheduler",
+            "-P", "pager=off", *queries, check=False,
+        )  # fmt: skip
+        return "\n".join(
+            (ps, f"--- logs, last {TAIL_LINES} lines of each ---", logs.stdout, database.stdout)
+        )
+
     def psql(self, sql: str) -> str:
         out = self.compose(
             "exec", "-T", "postgres", "psql", "-U", "scheduler", "-d", "scheduler",
@@ -91,7 +107,7 @@ SHARDS = 12
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def compose_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     _require_engine()
     env_file = tmp_path_factory.mktemp("compose") / "env"
     env_file.write_text(f"SCHEDULER_PLUGIN__SHARDS={SHARDS}\n")
@@ -109,19 +125,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         print(f"compose timings: {stack.timings}")
 
 
-def wait_until(what: str, check: Any, timeout: float, every: float = 0.25) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except DockerError as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        time.sleep(every)
-    raise AssertionError(f"{what}: not within {timeout}s; last: {last}")
+@pytest.fixture
+def stack(compose_stack: Stack, scene: Scene) -> Stack:
+    scene.watch("compose stack", compose_stack.describe)
+    return compose_stack
 
 
 def leaders(report: dict[str, Any]) -> dict[str, str | None]:
@@ -154,7 +161,7 @@ def test_compose_scale_3_gives_healthy_replicas_one_leader_per_loop(stack: Stack
         )
 
     started = time.monotonic()
-    wait_until("all replicas healthy", all_healthy, HEALTHY_TIMEOUT, every=1.0)
+    wait_until(all_healthy, HEALTHY_TIMEOUT, "all replicas healthy", 1.0, (DockerError,))
     stack.timings["healthy"] = time.monotonic() - started
 
     def settled() -> dict[str, Any] | None:
@@ -163,7 +170,9 @@ def test_compose_scale_3_gives_healthy_replicas_one_leader_per_loop(stack: Stack
         done = publish["leader"] and len(publish["standbys"]) == 2 and spread(report, 3)
         return report if done else None
 
-    report = wait_until("one publish leader, two standbys, the shards spread", settled, 60)
+    report = wait_until(
+        settled, 60, "one publish leader, two standbys, the shards spread", 0.25, (DockerError,)
+    )
     hostnames = {stack.inspect(c)["Config"]["Hostname"] for c in replicas}
     publish = report["loops"]["publish"]
     plugin = report["loops"]["plugin"]
@@ -200,13 +209,17 @@ def test_a_scheduled_publication_is_published(stack: Stack) -> None:
         return status if status == "published" else None
 
     started = time.monotonic()
-    wait_until("the publication is published", published, 60)
+    wait_until(published, 60, "the publication is published", 0.25, (DockerError,))
     stack.timings["publish"] = time.monotonic() - started
 
 
 def test_docker_kill_of_the_leader_is_taken_over_and_stop_exits_0(stack: Stack) -> None:
     before = wait_until(
-        "leaders", lambda: all(leaders(stack.status()).values()) and stack.status(), 60
+        lambda: all(leaders(stack.status()).values()) and stack.status(),
+        60,
+        "leaders",
+        0.25,
+        (DockerError,),
     )
     leader = leaders(before)["publish"]
     assert leader is not None
@@ -218,10 +231,16 @@ def test_docker_kill_of_the_leader_is_taken_over_and_stop_exits_0(stack: Stack) 
         now = leaders(stack.status())
         return now if now["publish"] not in (None, leader) else None
 
-    after = wait_until("another replica leads publish", taken_over, 30, every=0.1)
+    after = wait_until(taken_over, 30, "another replica leads publish", 0.1, (DockerError,))
     stack.timings["kill_to_new_leader_observed"] = time.monotonic() - killed_at
     assert after["publish"] != leader
-    wait_until("the survivors lead every shard", lambda: spread(stack.status(), 2), 30)
+    wait_until(
+        lambda: spread(stack.status(), 2),
+        30,
+        "the survivors lead every shard",
+        0.25,
+        (DockerError,),
+    )
 
     survivors = [c for c in stack.containers() if not c.startswith(victim)]
     assert len(survivors) == 2
@@ -235,7 +254,7 @@ def test_docker_kill_of_the_leader_is_taken_over_and_stop_exits_0(stack: Stack) 
 
 
 @pytest.fixture(scope="module")
-def image(stack: Stack) -> str:
+def image(compose_stack: Stack) -> str:
     """The image the compose stack built (built once per module)."""
     return IMAGE
 
@@ -306,7 +325,7 @@ def test_the_healthcheck_follows_the_http_settings(image: str) -> None:
             def healthy(name: str = name) -> bool:
                 return docker("exec", name, *command, check=False).returncode == 0
 
-            wait_until(f"{case}: healthcheck {command} passes", healthy, 60, every=0.5)
+            wait_until(healthy, 60, f"{case}: healthcheck {command} passes", 0.5, (DockerError,))
             if case == "http-disabled":
                 continue
             # A real check: with the daemon stopped it fails (a short timeout keeps it quick).
@@ -331,12 +350,13 @@ def test_a_single_container_on_sqlite_keeps_its_state_on_a_volume(image: str) ->
                 image,
             )
             out = wait_until(
-                "schedule on the SQLite default",
                 lambda: docker(
                     "exec", first, "scheduler-daemon", "schedule", "--at", "+1s", check=False
                 ).stdout.strip(),
                 60,
-                every=0.5,
+                "schedule on the SQLite default",
+                0.5,
+                (DockerError,),
             )
             publication = int(out)
             query = (
@@ -348,7 +368,13 @@ def test_a_single_container_on_sqlite_keeps_its_state_on_a_volume(image: str) ->
             def status(container: str) -> str:
                 return docker("exec", container, "python", "-c", query).stdout.strip()
 
-            wait_until("published on SQLite", lambda: status(first) == "published", 60)
+            wait_until(
+                lambda: status(first) == "published",
+                60,
+                "published on SQLite",
+                0.25,
+                (DockerError,),
+            )
             docker("stop", "-t", "45", first, timeout=60)
             assert json.loads(docker("inspect", first).stdout)[0]["State"]["ExitCode"] == 0
             # A new container on the same volume sees the same database.
@@ -362,7 +388,13 @@ def test_a_single_container_on_sqlite_keeps_its_state_on_a_volume(image: str) ->
                 f"{volume}:/var/lib/scheduler-daemon",
                 image,
             )
-            wait_until("the state survived", lambda: status(second) == "published", 60)
+            wait_until(
+                lambda: status(second) == "published",
+                60,
+                "the state survived",
+                0.25,
+                (DockerError,),
+            )
         finally:
             cleanup.close()
             docker("volume", "rm", volume, check=False)

@@ -31,6 +31,7 @@ from rig.plugin import ci_is_set
 from rig.ports import free_port
 from rig.processes import Daemons, daemon_env, run_cli, start_replicas
 from rig.tcpproxy import TcpProxy
+from rig.waiting import wait_until
 
 # How a session that the server ended looks to asyncpg depends on whether the server's
 # goodbye (a FATAL message) arrives before the socket closes.
@@ -492,3 +493,77 @@ def test_each_files_time_is_recorded_merged_and_only_from_a_passing_run(
     result = _run_inner(pytester, "-p", "rig.durations", "--record-file-durations", str(record))
     result.assert_outcomes(passed=3, failed=1)
     assert json.loads(record.read_text()) == seconds, "a failing run records nothing"
+
+
+# -- failures that explain themselves (rig/scene.py, rig/waiting.py) ---------------------
+
+
+def test_wait_until_takes_an_empty_list_for_not_yet_and_shows_the_last_value() -> None:
+    answers = iter([[], [], ["tick.done"]])
+    assert wait_until(lambda: next(answers), 5, "a line", every=0.01) == ["tick.done"]
+    with pytest.raises(AssertionError) as failed:
+        wait_until(lambda: {"state": "standby"}.get("leader"), 0.05, "a leader", every=0.01)
+    assert str(failed.value) == "not within 0.05s: a leader (last: None)"
+    calls = iter([RuntimeError("starting"), "up"])
+
+    def flaky() -> str:
+        answer = next(calls)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert wait_until(flaky, 5, "up", every=0.01, not_yet=(RuntimeError,)) == "up"
+
+
+async def test_a_failed_test_shows_its_processes_locks_and_rows(
+    pytester: pytest.Pytester, pg_url: str
+) -> None:
+    holder = await asyncpg.connect(pg_url, server_settings={"application_name": "the-holder"})
+    try:
+        await holder.execute("SELECT pg_advisory_lock(424242)")
+        await holder.execute(
+            "INSERT INTO scheduler_leaders (loop, lock_key, instance, hostname, pid,"
+            " backend_pid, acquired_at, heartbeat_at, fencing_token)"
+            " VALUES ('plugin', 424242, 'ghost-1', 'h', 1, pg_backend_pid(), now(), now(), 7)"
+        )
+        pytester.makeini(_PYTESTER_INI)
+        pytester.makepyfile(
+            f"""
+            import sys
+            from rig.processes import Daemons, daemon_env
+            from rig.waiting import wait_until
+
+            def test_fails(scene, tmp_path, request):
+                scene.watch_database({pg_url!r})
+                daemons = Daemons(tmp_path)
+                request.addfinalizer(daemons.close)  # after the report, as conftest's
+                scene.watch_daemons(daemons)
+                code = "print('a line from the replica', flush=True); import time; time.sleep(30)"
+                process = daemons.spawn([sys.executable, "-c", code], daemon_env({{}}))
+                wait_until(lambda: "replica" in process.output(), 10, "its line")
+                wait_until(lambda: [], 0.05, "a leader")
+
+            def test_passes(scene):
+                scene.watch("never read", lambda: 1 / 0)
+            """
+        )
+        result = await asyncio.to_thread(_run_inner, pytester, "-p", "rig.scene")
+    finally:
+        await holder.close()
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*not within 0.05s: a leader (last: [])*",
+            "*- scene: database t_*",
+            "advisory locks: 1 row(s)",
+            "*424242*the-holder*",
+            "sessions: *",
+            "*the-holder*",
+            "scheduler_leaders: 1 row(s)",
+            "*ghost-1*",
+            "*- scene: processes -*",
+            "--- daemon1 (pid *, running, 1 lines;*",
+            "a line from the replica",
+        ]
+    )
+    assert "never read" not in result.stdout.str()

@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -43,6 +43,15 @@ from typing import Any, TypeVar
 
 import pytest
 from rig.docker import Cleanup, docker, docker_available, image_exists, unique_name
+from rig.scene import (
+    LEADERS,
+    PG_LOCKS,
+    PG_SESSIONS,
+    TAIL_LINES,
+    WITNESS_TIMEOUT,
+    Scene,
+)
+from rig.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT_FILE = ROOT / "deploy" / "systemd" / "scheduler-daemon.service"
@@ -85,19 +94,9 @@ DB_USER = "scheduler"
 DB_PASSWORD = "systemd-test-secret"
 DB_URL = f"postgresql://{DB_USER}:{DB_PASSWORD}@db:5432/scheduler"
 LEADING = "leading publish, plugin"
+# Each probe is a `docker exec` or two: asked every 0.2 s, not the rig's default 0.02 s.
+POLL = 0.2
 T = TypeVar("T")
-
-
-def wait_for(probe: Callable[[], T | None], timeout: float, what: str, every: float = 0.2) -> T:
-    """Call `probe` until it returns something other than None/False; fail after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value is not None and value is not False:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(every)
 
 
 def timing(name: str, seconds: float) -> None:
@@ -169,6 +168,12 @@ class Host:
         lines = {"SCHEDULER_DATABASE_URL": DB_URL, **settings}
         self.write("/etc/scheduler-daemon/env", "".join(f"{k}={v}\n" for k, v in lines.items()))
 
+    def describe(self) -> str:
+        """For a failed test's scene: the unit's state, and its journal's last lines."""
+        state = self.show("ActiveState", "SubState", "Result", "StatusText", "NRestarts")
+        journal = self.text(None).splitlines()[-TAIL_LINES:]
+        return f"{state}\n--- journal, last {len(journal)} lines ---\n" + "\n".join(journal)
+
     def dropin(self, name: str, service_lines: str) -> None:
         self.sh(f"mkdir -p {DROPIN_DIR}")
         self.write(f"{DROPIN_DIR}/{name}.conf", f"[Service]\n{service_lines}\n")
@@ -199,7 +204,7 @@ class Host:
 
     def status_text_becomes(self, expected: str, timeout: float = 10.0) -> float:
         """Wait until systemd's StatusText= is `expected`; return when (host clock)."""
-        wait_for(
+        wait_until(
             lambda: self.prop("StatusText") == expected,
             timeout,
             f"{self.hostname} StatusText={expected!r} (now {self.prop('StatusText')!r})",
@@ -373,7 +378,7 @@ def _install(host: Host, env: str, now: bool = True) -> None:
         state = docker("exec", host.container, *command, check=False, timeout=60).stdout
         return state.strip() in ("running", "degraded")
 
-    wait_for(booted, 60, f"systemd to boot in {host.hostname}", every=0.5)
+    wait_until(booted, 60, f"systemd to boot in {host.hostname}", every=0.5)
     # Credentials (LoadCredential=) are mounted from a private namespace and reach the
     # service only through mount propagation. On a real host systemd makes / shared at
     # boot; in a container it leaves propagation to the container manager, and Docker's
@@ -420,10 +425,11 @@ def rig() -> Iterator[Rig]:
         crash = _boot_host(cleanup, image, network, "host3")
         docker("network", "connect", late, hosts[0].container)
         isready = ["pg_isready", "-h", "127.0.0.1", "-U", DB_USER]
-        wait_for(
+        wait_until(
             lambda: docker("exec", db, *isready, check=False).returncode == 0,
             60,
             "PostgreSQL to accept TCP connections",
+            every=POLL,
         )
         # host3 crash-loops from now on (exit 69 at once: a closed port, a 100ms budget),
         # for test_start_limit_stops_a_crash_loop to look at last.
@@ -441,10 +447,21 @@ def rig() -> Iterator[Rig]:
         yield Rig(network, late, db, hosts, crash, crash_started)
 
 
+def describe_database(container: str) -> str:
+    """For a failed test's scene: locks, sessions and leader rows, read by psql inside the
+    database's container (the rig has no route to it)."""
+    queries = [arg for sql in (PG_LOCKS, PG_SESSIONS, LEADERS) for arg in ("-c", sql)]
+    psql = ["psql", "-U", DB_USER, "-d", "scheduler", "-P", "pager=off", *queries]
+    result = docker("exec", container, *psql, timeout=WITNESS_TIMEOUT, check=False)
+    return result.stdout + result.stderr
+
+
 @pytest.fixture
-def hosts(rig: Rig) -> list[Host]:
+def hosts(rig: Rig, scene: Scene) -> list[Host]:
     for host in rig.hosts:
         host.reset()
+        scene.watch(host.hostname, host.describe)
+    scene.watch("database", lambda: describe_database(rig.db))
     return rig.hosts
 
 
@@ -474,7 +491,9 @@ def test_start_returns_once_ready(hosts: list[Host]) -> None:
     assert rc == 0
     state = host.show("ActiveState", "SubState", "NRestarts")
     assert state == {"ActiveState": "active", "SubState": "running", "NRestarts": "0"}
-    started = wait_for(lambda: host.events(cursor, "daemon.started"), 10, "daemon.started")
+    started = wait_until(
+        lambda: host.events(cursor, "daemon.started"), 10, "daemon.started", every=POLL
+    )
     written = datetime.fromisoformat(started[0]["timestamp"]).timestamp()
     # READY=1 was sent when it wrote daemon.started: the start waited for it.
     assert before < written <= after, (before, written, after)
@@ -490,7 +509,7 @@ def test_start_waits_while_the_database_is_unreachable(rig: Rig, hosts: list[Hos
     cursor = host.cursor()
     host.sh(f"systemctl start --no-block {UNIT}")
     try:
-        wait_for(lambda: host.prop("ActiveState") == "activating", 5, "activating")
+        wait_until(lambda: host.prop("ActiveState") == "activating", 5, "activating", POLL)
         deadline = time.monotonic() + 3
         seen = set()
         while time.monotonic() < deadline:
@@ -502,7 +521,7 @@ def test_start_waits_while_the_database_is_unreachable(rig: Rig, hosts: list[Hos
         assert host.events(cursor, "daemon.started") == []
         joined = time.monotonic()
         docker("network", "connect", "--alias", "db-late", rig.late_network, rig.db)
-        wait_for(lambda: host.prop("ActiveState") == "active", 20, "active once reachable")
+        wait_until(lambda: host.prop("ActiveState") == "active", 20, "active once reachable", POLL)
         timing(
             "activating -> active after the database became reachable", time.monotonic() - joined
         )
@@ -537,13 +556,22 @@ def test_a_root_only_config_file_is_read_through_a_credential(hosts: list[Host])
     cursor = host.cursor()
     _, _, rc = host.start()
     assert rc == 0, host.text(cursor)
-    started = wait_for(lambda: host.events(cursor, "daemon.started"), 10, "daemon.started")
-    assert started[0]["instance"] == "configured-host1"
-    # Debug lines are the leader's tick.done: leading may first wait out a predecessor the
-    # test before left (its sessions cut off), so the wait is generous.
-    assert wait_for(
-        lambda: [e for e in host.events(cursor) if e.get("level") == "debug"], 30, "a debug line"
+    started = wait_until(
+        lambda: host.events(cursor, "daemon.started"), 10, "daemon.started", every=POLL
     )
+    assert started[0]["instance"] == "configured-host1"
+    # The first debug line is the leader's first tick.done, which comes after READY=1 (a
+    # lone daemon leads within a second, wait_for_predecessor's settle_time at most): an
+    # empty list is "not yet". (This test's own wait once took [] for "done", so it read
+    # the journal once, just after READY, and failed whenever that first tick was later.)
+    ready = time.monotonic()
+    wait_until(
+        lambda: [e for e in host.events(cursor) if e.get("level") == "debug"],
+        20,
+        "a debug line (the leader's first tick.done)",
+        POLL,
+    )
+    timing("credential test: READY -> first debug line", time.monotonic() - ready)
 
 
 def start_pair(leader: Host, standby: Host) -> None:
@@ -580,7 +608,7 @@ def test_stop_exits_0_and_the_other_host_takes_over(hosts: list[Host]) -> None:
     }
     seen = second.status_text_becomes(LEADING)
     timing("handover: stop began -> other host's StatusText leading", seen - began)
-    acquired = wait_for(
+    acquired = wait_until(
         lambda: (lambda events: events if len(events) == 2 else None)(
             second.events(cursor, "leader.acquired")
         ),
@@ -610,7 +638,7 @@ def test_watchdog_restarts_a_frozen_daemon(hosts: list[Host]) -> None:
         fresh = state["NRestarts"] == "1" and state["MainPID"] not in ("0", pid)
         return state if fresh and state["ActiveState"] == "active" else None
 
-    wait_for(restarted, 30, "systemd to kill and restart the frozen daemon")
+    wait_until(restarted, 30, "systemd to kill and restart the frozen daemon", POLL)
     timing("watchdog: SIGSTOP -> restarted and active again", time.monotonic() - frozen)
     journal = host.text(cursor)
     assert "Watchdog timeout" in journal, journal
@@ -654,7 +682,7 @@ def test_start_limit_stops_a_crash_loop(rig: Rig) -> None:
     host = rig.crash_loop
     refused = "Start request repeated too quickly"
     remaining = rig.crash_loop_started + 120 - time.monotonic()
-    wait_for(
+    wait_until(
         lambda: refused in host.text(None),
         max(remaining, 1.0),
         f"the start limit to stop the crash loop ({host.show('Result', 'NRestarts')})",
