@@ -24,7 +24,7 @@ import contextlib
 import inspect
 from collections.abc import Coroutine, Mapping
 from contextlib import AsyncExitStack
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from . import db
 from .aio import unless_set
@@ -32,7 +32,6 @@ from .config.settings import Settings
 from .db.connect import connect, within_startup_budget
 from .db.listen import Listener
 from .errors import EXIT_OK, EXIT_SOFTWARE, ConfigError, SchedulerError, describe
-from .http import HttpServer
 from .leadership import Guard, make_guard
 from .leadership.pooler import detect_transaction_pooler
 from .logs import Logger
@@ -46,6 +45,9 @@ from .plugins.workers import Workers
 from .publishers import Publisher, build_publishers
 from .schema_gate import SchemaGate
 from .sdnotify import Notifier
+
+if TYPE_CHECKING:
+    from .http import HttpServer
 
 LoopName = Literal["publish", "plugin"]
 EXIT_FORCED = 130  # a second signal cut the graceful stop short
@@ -257,6 +259,10 @@ class Daemon:
         """Listen now; the store comes with :meth:`HttpServer.attach` once we are up."""
         if not self.settings.http.enabled:
             return
+        # Imported only when serving: aiohttp and the dashboard are a third of what a
+        # replica imports, and one with http.enabled = false never needs them.
+        from .http import HttpServer
+
         http = HttpServer(
             self.settings, None, self.metrics, self.log, self.stopping, schema=self.schema
         )

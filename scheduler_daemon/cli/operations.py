@@ -29,11 +29,12 @@ from .common import _run, _settings, _store, config_option, handles_errors
 @handles_errors
 def run(config_file: Path | None, only: str | None) -> None:
     """Run the daemon until SIGTERM/SIGINT (migrates first)."""
-    # Imported here: the daemon's machinery (HTTP server, loops, worker processes) costs a
-    # few tenths of a second to import, which every short-lived command would pay.
+    settings = _settings(config_file, quiet=False)
+    # Imported here, once the configuration is valid: the daemon's machinery (loops,
+    # leadership, worker processes) costs a few tenths of a second to import, which every
+    # short-lived command, and a refused configuration's exit 78, would pay.
     from ..daemon import Daemon
 
-    settings = _settings(config_file, quiet=False)
     log = get_logger(instance=settings.instance_id)
 
     async def main() -> int:

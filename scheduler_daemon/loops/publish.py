@@ -39,11 +39,11 @@ from ..leadership import LeadershipLost, Lease
 from ..logs import Logger
 from ..metrics import Metrics
 from ..publishers import Publisher
-from ..publishers.webhook import WebhookDeliverer
 from .base import LISTENING_MAX_SLEEP, Tick
 
 if TYPE_CHECKING:
     from ..db.listen import Listener
+    from ..publishers.webhook import WebhookDeliverer
 
 WAKE_CHANNEL = "scheduler_publications_due"
 # How often the SQLite leader looks for other processes' commits: the bound on its
@@ -294,6 +294,9 @@ class PublishWork:
         if "webhook" in settings.publishers:
             # Work of the leadership: cancelled the moment it is lost, and stopped before
             # the lock is released, so that no POST of ours overlaps the next leader's.
+            # Imported only here: aiohttp is needed by a deployment that sends webhooks.
+            from ..publishers.webhook import WebhookDeliverer
+
             self._deliverer = WebhookDeliverer(settings.webhook, self.metrics, self.log)
             self._delivering = lease.spawn(
                 self._deliverer.run(lease), name="publish:webhooks", service=True

@@ -10,7 +10,6 @@ from ..errors import ConfigError
 from .base import Publisher
 from .notify import NotifyPublisher
 from .sql import SqlPublisher
-from .webhook import WebhookPublisher
 
 ENTRY_POINT_GROUP = "scheduler_daemon.publishers"
 BUILTIN = ("notify", "sql", "webhook")
@@ -32,6 +31,8 @@ def build_publishers(settings: Settings, backend: str) -> list[Publisher]:
                 raise ConfigError("publish.sql.mode: 'batch' needs PostgreSQL; use 'row'")
             publishers.append(SqlPublisher(settings.publish.sql))
         elif name == "webhook":
+            from .webhook import WebhookPublisher  # aiohttp: only where webhooks are sent
+
             publishers.append(WebhookPublisher(settings.publish.webhook))
         elif name in plugins:
             try:
