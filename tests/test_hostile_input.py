@@ -43,6 +43,7 @@ from rig.processes import DaemonProcess, Daemons, run_cli
 from rig.sql import fetch, scalar
 from rig.tcpproxy import TcpProxy
 from rig.ticks import FAST_TIMINGS
+from rig.waiting import wait_until
 
 from scheduler_daemon.client import MAX_KEY_LENGTH, MAX_PAYLOAD_DEPTH, Client
 from scheduler_daemon.config import load_settings
@@ -739,10 +740,7 @@ def hostile_daemon(daemons: Daemons, database_url: str) -> DaemonProcess:
 
 
 def wait_for(url: str, sql: str, expected: Any, *params: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while (value := scalar(url, sql, *params)) != expected:
-        assert time.monotonic() < deadline, f"{sql}: {value!r}, not {expected!r}"
-        time.sleep(0.1)
+    wait_until(lambda: scalar(url, sql, *params) == expected, timeout, f"{sql} = {expected!r}", 0.1)
 
 
 def test_a_daemon_among_hostile_names_and_unreadable_rows(

@@ -60,19 +60,15 @@ async def lock_holders(dsn: str, key: int) -> list[dict[str, Any]]:
 def wait_for_lock_state(
     dsn: str, key: int, *, granted: int, waiting: int, timeout: float = 20.0
 ) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout
-    while True:
+    def matching() -> list[dict[str, Any]] | None:
         rows = run_sync(lock_holders(dsn, key))
-        if (sum(r["granted"] for r in rows), sum(not r["granted"] for r in rows)) == (
-            granted,
-            waiting,
-        ):
-            return rows
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"key {key}: wanted {granted} holder(s), {waiting} waiting; {rows}"
-            )
-        time.sleep(0.05)
+        held = sum(r["granted"] for r in rows)
+        return rows if (held, len(rows) - held) == (granted, waiting) else None
+
+    rows: list[dict[str, Any]] = wait_until(
+        matching, timeout, f"key {key}: {granted} holder(s), {waiting} waiting", 0.05
+    )
+    return rows
 
 
 # -- the checker itself -----------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 from rig.processes import DaemonProcess, Daemons
 from rig.sql import fetch, leader_of, scalar
 from rig.ticks import FAST_TIMINGS
+from rig.waiting import wait_until
 
 
 def publish_leader(url: str, replicas: dict[str, DaemonProcess]) -> DaemonProcess | None:
@@ -25,13 +26,14 @@ def publish_leader(url: str, replicas: dict[str, DaemonProcess]) -> DaemonProces
 def wait_for_new_leader(
     url: str, replicas: dict[str, DaemonProcess], old: DaemonProcess, timeout: float = 30
 ) -> DaemonProcess:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def new_leader() -> DaemonProcess | None:
         leader = publish_leader(url, replicas)
-        if leader is not None and leader is not old:
-            return leader
-        time.sleep(0.05)
-    raise AssertionError("no new leader")
+        return leader if leader is not None and leader is not old else None
+
+    found: DaemonProcess = wait_until(
+        new_leader, timeout, f"a publish leader other than {old.name}", 0.05
+    )
+    return found
 
 
 SCENARIOS = [

@@ -221,19 +221,17 @@ async def test_post_never_follows_a_redirect(
 
 
 async def wait_for_outbox(url: str, publication: int, within: float) -> dict[str, Any]:
-    deadline = time.monotonic() + within
-    while True:
+    async def settled() -> dict[str, Any] | None:
         rows = await afetch(
             url,
             "SELECT status, attempts, last_error FROM scheduler_webhook_outbox "
             "WHERE publication_id = $1",
             publication,
         )
-        if rows and rows[0]["status"] != "pending":
-            return rows[0]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"outbox row still pending after {within}s: {rows}")
-        await asyncio.sleep(0.1)
+        return rows[0] if rows and rows[0]["status"] != "pending" else None
+
+    row: dict[str, Any] = await until(settled, f"outbox row of {publication} settled", within)
+    return row
 
 
 @pytest.mark.parametrize("status", [301, 302, 307])
