@@ -1,8 +1,8 @@
 """Where the suite's time goes, and the order that uses it: heaviest test files first.
 
-``make test`` runs files on two workers, each file on one worker (``--dist loadfile``).
+``make test`` runs files on three workers, each file on one worker (``--dist loadfile``).
 xdist hands files out in the order it is given them, so a minute-long file handed out last
-runs alone while the other worker idles. Longest-first keeps both busy to the end; this
+runs alone while the other workers idle. Longest-first keeps them busy to the end; this
 module orders the collection by each file's measured time, recorded in
 ``tests/file_durations.json`` by ``make durations`` (``--record-file-durations``).
 Files not in the record go first: a new file may well be a slow one.
