@@ -15,7 +15,7 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from rig.commands import CONNECTING_COMMANDS, REFUSAL_ENV
+from rig.commands import CONNECTING_COMMANDS, REFUSAL_ENV, REFUSED_WITHIN
 from rig.databases import PgServer, with_user
 from rig.ports import free_port
 from rig.processes import DaemonProcess, Daemons, run_cli, sitecustomize
@@ -558,7 +558,7 @@ def test_a_role_without_privileges_exits_78_naming_what_was_denied(
         line = assert_one_line(result, 78, "permission denied for ", "(SQLSTATE 42501)", role)
         assert "table scheduler_" in line or "schema public" in line, line
         assert "db.migrate_failed" not in result.stderr, "a missing privilege is not retried"
-        assert elapsed < 10, (args, elapsed)
+        assert elapsed < REFUSED_WITHIN, (args, elapsed)
 
 
 def test_one_shot_commands_wait_the_command_budget_not_the_startup_budget(
@@ -582,7 +582,11 @@ def _hold_write_lock(url: str) -> sqlite3.Connection:
 
 
 def test_sqlite_reads_do_not_wait_for_a_writer(tmp_path: Path, sqlite_url: str) -> None:
-    """`status` and `tasks list` took the write lock to read: 30 s, then a traceback."""
+    """`status` and `tasks list` took the write lock to read: 30 s, then a traceback.
+
+    The writer holds its lock until the end of the test, so a read that waited for it
+    could only fail (after the busy timeout): succeeding is the proof, whatever the time
+    a CLI process takes on a busy machine (5.8 s was seen, with two suites side by side)."""
     holder = _hold_write_lock(sqlite_url)
     try:
         env = {"SCHEDULER_DATABASE_URL": sqlite_url}
@@ -592,10 +596,8 @@ def test_sqlite_reads_do_not_wait_for_a_writer(tmp_path: Path, sqlite_url: str) 
             ["tasks", "list"],
             ["tasks", "list", "--json"],
         ):
-            started = time.monotonic()
             result = run_cli(args, env, cwd=tmp_path)
             assert result.returncode == 0, (args, result.stderr)
-            assert time.monotonic() - started < 5, args
     finally:
         holder.close()
 

@@ -56,3 +56,6 @@ CONNECTING_COMMANDS = [
 ]
 # Long enough that a retried refusal could not pass for a fast one.
 REFUSAL_ENV = {"SCHEDULER_DATABASE__STARTUP_BUDGET": "30s"}
+# A refusal "at once" ends well inside that budget: the rest is room for starting a CLI
+# process on a busy machine (5.8 s seen with two suites side by side).
+REFUSED_WITHIN = 20.0
