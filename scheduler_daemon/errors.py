@@ -119,7 +119,7 @@ def describe(exc: BaseException) -> str:
 @contextmanager
 def explain_timeouts(message: str) -> Iterator[None]:
     """A bare ``TimeoutError`` raised inside (asyncpg's connect and command timeouts,
-    ``asyncio.wait_for``) becomes one that says what timed out, e.g. ``"connecting to the
+    ``asyncio.timeout``) becomes one that says what timed out, e.g. ``"connecting to the
     database: no answer within 2s (database.connect_timeout)"``. Still a ``TimeoutError``,
     so the callers' retry decisions are unchanged; one with a message is left alone."""
     try:

@@ -29,6 +29,7 @@ import pytest
 import structlog
 from plugin_targets import CALLS, PROBE_DDL, PROBE_TABLE
 from rig.processes import Daemons, run_cli
+from rig.scene import TAIL_LINES, Scene
 from rig.sql import Db
 from rig.waiting import until
 from structlog.testing import capture_logs
@@ -54,12 +55,17 @@ def calls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
-def logs() -> Iterator[list[dict[str, Any]]]:
-    """Every log event of the in-process daemons, at every level (and none printed)."""
+def logs(scene: Scene) -> Iterator[list[dict[str, Any]]]:
+    """Every log event of the in-process daemons, at every level (and none printed but the
+    last ones, in the scene of a test that failed)."""
     saved = structlog.get_config()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
     try:
         with capture_logs() as events:
+            scene.watch(
+                "in-process daemon log",
+                lambda: "\n".join(str(event) for event in events[-TAIL_LINES:]),
+            )
             yield events
     finally:
         structlog.configure(**saved)
@@ -74,10 +80,17 @@ def db(database_url: str) -> Db:
 
 
 async def at_least(db: Db, name: str, status: str, count: int, within: float = 20.0) -> None:
-    async def enough() -> bool:
-        return (await db.statuses(name))[status] >= count
+    seen: Counter[str] = Counter()
 
-    await until(enough, f"{count} {status} runs of {name}", within)
+    async def enough() -> bool:
+        seen.clear()
+        seen.update(await db.statuses(name))
+        return seen[status] >= count
+
+    try:
+        await until(enough, f"{count} {status} runs of {name}", within)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; its runs by status: {dict(seen)}") from None
 
 
 # -- the daemon, in process ----------------------------------------------------------------
@@ -194,14 +207,14 @@ async def test_interval_task_runs_each_slot_once(database_url: str, db: Db) -> N
     # per run), each once per recorded run, with the context of its slot.
     recorded = plugin_targets.calls()
     by_kind = {kind: [c for c in recorded if c.kind == kind] for kind in ("async", "sync")}
-    assert [c.slot for c in by_kind["async"]] == [r["slot"] for r in await db.runs("async")]
-    assert [c.slot for c in by_kind["sync"]] == [r["slot"] for r in await db.runs("sync")]
+    for kind in ("async", "sync"):
+        assert [c.slot for c in by_kind[kind]] == [r["slot"] for r in ran(await db.runs(kind))]
     main = threading.main_thread().name
     assert all(c.in_task and c.thread == main and c.pid == os.getpid() for c in by_kind["async"])
     assert all(not c.in_task and c.pid != os.getpid() for c in by_kind["sync"])
     assert len({c.pid for c in by_kind["sync"]}) == len(by_kind["sync"])
     bare = [c for c in recorded if c.kind == "no_context"]
-    assert len(bare) == len(await db.runs("bare"))
+    assert len(bare) == len(ran(await db.runs("bare")))
     assert all(c.name is None for c in bare)  # called without the context
 
 
@@ -837,7 +850,10 @@ async def test_a_result_that_cannot_be_recorded_is_closed_by_the_same_leader(pg_
         "FOR EACH ROW EXECUTE FUNCTION refuse_first_result()"
     )
     try:
-        tasks = [task("kept", every="0.3s", target="plugin_targets:tick")]
+        # Due again before its orphan is closed (its result is retried for ~0.2 s): the
+        # tick that closes the orphan must run it then, not wait for a result that never
+        # comes (it slept LISTENING_MAX_SLEEP, 60 s: seen only on a busy machine at 0.3 s).
+        tasks = [task("kept", every="0.1s", target="plugin_targets:tick")]
         async with running(pg_url, tasks) as daemon:
             await at_least(db_pg, "kept", "succeeded", 2, within=20)
             lost = daemon.metrics.registry.get_sample_value(

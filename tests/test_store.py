@@ -18,11 +18,14 @@ from rig.databases import replace_host_port
 from rig.tcpproxy import TcpProxy
 
 import scheduler_daemon
+from scheduler_daemon.aio import unless_set
 from scheduler_daemon.client import Client
 from scheduler_daemon.config.settings import Settings
-from scheduler_daemon.db.connect import open_store
+from scheduler_daemon.db import connect as connect_module
+from scheduler_daemon.db.connect import connect, open_store
 from scheduler_daemon.db.sqlfiles import formatted, queries
 from scheduler_daemon.errors import InvalidInput, NotFound, SchemaMissing
+from scheduler_daemon.logs import get_logger
 
 
 @pytest.fixture
@@ -351,3 +354,23 @@ async def test_opening_a_missing_sqlite_file_without_create_leaves_none(tmp_path
     store = await open_store(settings)  # the default (the daemon, migrate) creates it
     await store.close()
     assert path.exists()
+
+
+async def test_a_stop_that_lands_as_a_connection_attempt_fails_is_not_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stop that came as a connection attempt failed was lost: asyncio.wait_for (Python
+    3.11) answered the cancellation with the attempt's error, and the retry loop went on.
+    A daemon stopped while connecting then retried until its startup budget ran out (seen
+    with two suites side by side: SIGTERM, then 15 s of db.connect_failed). The stop wins."""
+    stopping = asyncio.Event()
+
+    async def refused(settings: Settings, *, create: bool = True) -> None:
+        stopping.set()  # the stop arrives just as the attempt fails: its cancellation
+        await asyncio.sleep(0)  # reaches the connecting task as this attempt ends
+        raise ConnectionRefusedError(111, "Connect call failed")
+
+    monkeypatch.setattr(connect_module, "open_store", refused)
+    settings = Settings(database_url="postgresql://app@127.0.0.1:9/app")
+    step = await asyncio.wait_for(unless_set(connect(settings, get_logger()), stopping), 20)
+    assert step.cancelled()

@@ -81,10 +81,14 @@ async def connect(
 
     async def attempt() -> Store:
         # The pool's connections time out at connect_timeout, opening it all at twice that.
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for answers a cancellation
+        # that lands as the attempt fails with the attempt's error, and the retry loop
+        # below would go on connecting after a stop (tests/test_store.py).
         with explain_timeouts(
             f"connecting: no answer in time (database.connect_timeout {timeout:g}s)"
         ):
-            return await asyncio.wait_for(open_store(settings, create=create), timeout=timeout * 2)
+            async with asyncio.timeout(timeout * 2):
+                return await open_store(settings, create=create)
 
     return await within_startup_budget(
         attempt, settings, log, failed_event="db.connect_failed", budget=budget

@@ -159,7 +159,10 @@ class PluginWork:
                 limit = max(1, self._free() + len(self.runs.running) + len(self.runs.unrecorded))
                 batch = await store.due(limit)
                 clock = Clock(batch.now, time.monotonic())
-                plan_ = self._plan(batch)
+                # The orphans closed above free their schedules in this very transaction:
+                # planned as held (waiting for a result that never comes), they would
+                # wait for the longest sleep instead of running now.
+                plan_ = self._plan(batch, closing=set(orphans.values()))
                 # Said now, before the awaits below: a run that ends meanwhile must see
                 # that something waits for its place (or its result).
                 truncated = len(batch.due) >= limit
@@ -240,10 +243,12 @@ class PluginWork:
             self._runtime[key] = spec
         return spec
 
-    def _plan(self, batch: DueBatch) -> TickPlan:
+    def _plan(self, batch: DueBatch, closing: set[str]) -> TickPlan:
         """What to claim of what is due. One run per schedule per claim, never one of a
         schedule whose previous run is still executing (that slot is skipped, as
-        overlapping); a schedule that finds no free place stays due, oldest first."""
+        overlapping); a schedule that finds no free place stays due, oldest first. A schedule
+        whose result is not written yet waits for it, unless its run is in ``closing`` (an
+        orphan abandoned by this tick's transaction)."""
         result = TickPlan()
         now = batch.now
         free = self._free()
@@ -256,7 +261,8 @@ class PluginWork:
             if isinstance(spec, str):
                 result.refused[due.name] = spec
                 continue
-            if due.name in self.runs.unrecorded and due.name not in self.runs.running:
+            unrecorded = due.name in self.runs.unrecorded and due.name not in closing
+            if unrecorded and due.name not in self.runs.running:
                 result.held = True  # claimed once its last result is written
                 continue
             busy = due.name in self.runs.running
