@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from rig.docker import Cleanup, DockerError, docker, docker_available, unique_name
-from rig.scene import LEADERS, PG_LOCKS, PG_SESSIONS, TAIL_LINES, Scene
+from rig.scene import TAIL_LINES, Scene, psql_scene
 from rig.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,10 +86,9 @@ class Stack:
         database's locks, sessions and leader rows."""
         ps = self.compose("ps", "--all", check=False).stdout
         logs = self.compose("logs", "--no-color", "--tail", str(TAIL_LINES), check=False)
-        queries = [arg for sql in (PG_LOCKS, PG_SESSIONS, LEADERS) for arg in ("-c", sql)]
         database = self.compose(
             "exec", "-T", "postgres", "psql", "-U", "scheduler", "-d", "scheduler",
-            "-P", "pager=off", *queries, check=False,
+            *psql_scene(), check=False,
         )  # fmt: skip
         return "\n".join(
             (ps, f"--- logs, last {TAIL_LINES} lines of each ---", logs.stdout, database.stdout)

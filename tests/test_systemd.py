@@ -39,18 +39,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from rig.docker import Cleanup, docker, docker_available, image_exists, unique_name
-from rig.scene import (
-    LEADERS,
-    PG_LOCKS,
-    PG_SESSIONS,
-    TAIL_LINES,
-    WITNESS_TIMEOUT,
-    Scene,
-)
+from rig.scene import TAIL_LINES, WITNESS_TIMEOUT, Scene, psql_scene
 from rig.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,7 +91,6 @@ LEADING = "leading publish, plugin"
 POLL = 0.2
 # A shell on a host with the unit's settings, as an admin running the CLI there has them.
 AS_ADMIN = "set -a; . /etc/scheduler-daemon/env; set +a;"
-T = TypeVar("T")
 
 
 def timing(name: str, seconds: float) -> None:
@@ -458,8 +450,7 @@ def rig() -> Iterator[Rig]:
 def describe_database(container: str) -> str:
     """For a failed test's scene: locks, sessions and leader rows, read by psql inside the
     database's container (the rig has no route to it)."""
-    queries = [arg for sql in (PG_LOCKS, PG_SESSIONS, LEADERS) for arg in ("-c", sql)]
-    psql = ["psql", "-U", DB_USER, "-d", "scheduler", "-P", "pager=off", *queries]
+    psql = ["psql", "-U", DB_USER, "-d", "scheduler", *psql_scene()]
     result = docker("exec", container, *psql, timeout=WITNESS_TIMEOUT, check=False)
     return result.stdout + result.stderr
 

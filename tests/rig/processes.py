@@ -111,7 +111,7 @@ class DaemonProcess:
         try:
             return self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(self._report(f"still running after {timeout}s")) from None
+            raise AssertionError(self.summary(f"still running after {timeout}s")) from None
 
     def log_events(self) -> list[dict[str, Any]]:
         """Every JSON log line written to stderr so far, parsed."""
@@ -146,7 +146,7 @@ class DaemonProcess:
             checked = len(events)
             if exited or time.monotonic() >= deadline:
                 wanted = f"{event!r}" + (f" with {fields}" if fields else "")
-                raise AssertionError(self._report(f"no log event {wanted} after {timeout}s"))
+                raise AssertionError(self.summary(f"no log event {wanted} after {timeout}s"))
             time.sleep(0.02)
 
     def output(self) -> str:
@@ -159,13 +159,17 @@ class DaemonProcess:
         self.signal(signal.SIGKILL)
         self.popen.wait()
 
-    def _report(self, problem: str) -> str:
+    def summary(self, problem: str = "", lines: int = TAIL_LINES) -> str:
+        """Its name, pid and state (and `problem`), then the last `lines` lines of its
+        output: what a failure says of it."""
         returncode = self.poll()
         state = "still running" if returncode is None else f"exited with {returncode}"
-        tail = "\n".join(self.output().splitlines()[-TAIL_LINES:])
+        output = self.output().splitlines()
         return (
-            f"{self.name} (pid {self.pid}, {state}): {problem}\n"
-            f"--- last {TAIL_LINES} lines of output ---\n{tail}"
+            f"{self.name} (pid {self.pid}, {state}, {self.directory})"
+            + (f": {problem}" if problem else "")
+            + f"\n--- last {min(lines, len(output))} of {len(output)} lines of output ---\n"
+            + "\n".join(output[-lines:])
         )
 
     def __repr__(self) -> str:

@@ -10,8 +10,9 @@ project's logs). When the test fails, in its setup or its body, the plugin hook 
 each of them for its state at that moment and adds it to the report as a section of its
 own ("scene: daemon1", "scene: database t_1a2b..."), which pytest prints with the failure.
 
-Each witness gets a bounded time and its failure is reported in its place: a scene never
-hides the test's own error, and a server that is down makes its section say so.
+Each witness bounds its own reads (a connect and statement timeout, a docker command's
+timeout), and its failure is reported in its place: a scene never hides the test's own
+error, and a server that is down makes its section say so.
 """
 
 from __future__ import annotations
@@ -59,10 +60,10 @@ class Scene:
         self.watch(f"database {name}", lambda: describe_database(url))
 
     def sections(self) -> list[tuple[str, str]]:
-        return [(f"scene: {title}", _bounded(describe)) for title, describe in self.witnesses]
+        return [(f"scene: {title}", _read(describe)) for title, describe in self.witnesses]
 
 
-def _bounded(describe: Callable[[], str]) -> str:
+def _read(describe: Callable[[], str]) -> str:
     began = time.monotonic()
     try:
         text = describe()
@@ -75,17 +76,7 @@ def _bounded(describe: Callable[[], str]) -> str:
 def describe_processes(processes: list[Any]) -> str:
     if not processes:
         return "(none started)"
-    parts = []
-    for process in processes:
-        returncode = process.poll()
-        state = "running" if returncode is None else f"exited {returncode}"
-        lines = process.output().splitlines()
-        parts.append(
-            f"--- {process.name} (pid {process.pid}, {state}, {len(lines)} lines;"
-            f" {process.directory}) last {min(TAIL_LINES, len(lines))}:\n"
-            + "\n".join(lines[-TAIL_LINES:])
-        )
-    return "\n".join(parts)
+    return "\n".join(f"--- {process.summary(lines=TAIL_LINES)}" for process in processes)
 
 
 # Every advisory lock in this database, granted first, with its session: who leads what,
@@ -109,6 +100,18 @@ WHERE datname = current_database() AND pid <> pg_backend_pid()
 ORDER BY backend_start
 """
 LEADERS = "SELECT * FROM scheduler_leaders ORDER BY 1, 2"
+# What a PostgreSQL database's section shows, in order.
+PG_QUERIES = (
+    ("advisory locks", PG_LOCKS),
+    ("sessions", PG_SESSIONS),
+    ("scheduler_leaders", LEADERS),
+)
+
+
+def psql_scene() -> list[str]:
+    """psql's options that print the same, where the rig has no route to the server (a
+    container's database): run them inside, after ``-U USER -d DATABASE``."""
+    return ["-P", "pager=off", *(arg for _, sql in PG_QUERIES for arg in ("-c", sql))]
 
 
 def describe_database(url: str) -> str:
@@ -121,11 +124,7 @@ async def _describe_postgres(url: str) -> str:
     conn = await asyncpg.connect(url, server_settings=RIG_APP, timeout=WITNESS_TIMEOUT)
     try:
         parts = []
-        for title, sql in (
-            ("advisory locks", PG_LOCKS),
-            ("sessions", PG_SESSIONS),
-            ("scheduler_leaders", LEADERS),
-        ):
+        for title, sql in PG_QUERIES:
             try:
                 rows = [dict(row) for row in await conn.fetch(sql)]
             except asyncpg.UndefinedTableError:

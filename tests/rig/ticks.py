@@ -298,11 +298,8 @@ def wait_for_event(
             ):
                 return entry
         if exited or time.monotonic() >= deadline:
-            tail = "\n".join(process.output().splitlines()[-40:])
-            state = "exited" if exited else "still running"
             raise AssertionError(
-                f"{process.name} ({state}): no {event!r} {fields} after "
-                f"{stamp(after)} within {timeout}s\n--- output tail ---\n{tail}"
+                process.summary(f"no {event!r} {fields} after {stamp(after)} within {timeout}s")
             )
         time.sleep(0.02)
 
