@@ -85,8 +85,9 @@ def stop_daemon(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=60)
 
 
-def admin_dsn(stack: ExitStack) -> str:
-    """SCHEDULER_BENCH_DATABASE_URL, or a throwaway cluster that `stack` stops."""
+def admin_dsn(stack: ExitStack, settings: dict[str, str] | None = None) -> str:
+    """SCHEDULER_BENCH_DATABASE_URL, or a throwaway cluster that `stack` stops (with
+    `settings` beside the durable ones: bench/sustained.py loads pg_stat_statements)."""
     dsn = os.environ.get("SCHEDULER_BENCH_DATABASE_URL")
     if dsn:
         return dsn
@@ -96,7 +97,7 @@ def admin_dsn(stack: ExitStack) -> str:
     # Durable, as in production: the test rig turns fsync off for speed, which would hide
     # what a commit per row really costs.
     durable = {"fsync": "on", "full_page_writes": "on", "synchronous_commit": "on"}
-    return stack.enter_context(PgCluster(bindir, settings=durable)).dsn()
+    return stack.enter_context(PgCluster(bindir, settings=durable | (settings or {}))).dsn()
 
 
 def save_results(

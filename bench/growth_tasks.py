@@ -59,3 +59,17 @@ def _append(path: str, line: str) -> None:
         os.write(fd, line.encode())
     finally:
         os.close(fd)
+
+
+# bench/sustained.py: a directory where stamp records each run as the target saw it.
+STAMPS = "BENCH_STAMPS"
+
+
+async def stamp(ctx: TaskContext) -> None:
+    """Does nothing but write one line: its schedule, its slot, and the wall clock as the
+    target was called. Lateness is measured by the work itself, outside the database,
+    in the clock of the machine it runs on (the benchmark's: same host)."""
+    directory = os.environ.get(STAMPS)
+    if directory is not None:
+        line = f"{ctx.name} {ctx.slot.timestamp():.6f} {time.time():.6f} {ctx.instance}\n"
+        _append(os.path.join(directory, f"{os.getpid()}.stamps"), line)

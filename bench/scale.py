@@ -68,7 +68,7 @@ import sys
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
@@ -199,6 +199,9 @@ class Leader:
     shards: int = 1
     pins: Sequence[str] = ()
     env: dict[str, str] = field(default_factory=dict)
+    # Run on the database once the schedules are in, before any replica starts
+    # (bench/sustained.py prefills the runs table with it).
+    prepare: Callable[[asyncpg.Connection], Awaitable[None]] | None = None
     database: str = DB
     dsn: str = ""
     conn: asyncpg.Connection | None = None
@@ -234,6 +237,8 @@ class Leader:
                 names(self.count),
                 f"every {self.every:g}s",
             )
+        if self.prepare is not None:
+            await self.prepare(conn)
         await conn.execute("VACUUM ANALYZE scheduler_plugin_tasks")
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "scale.toml").write_text(self.config())

@@ -310,8 +310,11 @@ SET statement_timeout = 0
 
 -- name: lock_wait
 -- standby = "wait": one statement, granted the moment the leader's session ends. A waiting
--- standby sends nothing and costs the database nothing but its connection.
-SELECT pg_advisory_lock($1)
+-- standby sends nothing and costs the database nothing but its connection. It waits in
+-- slices of $2 ms (migration 0010 says why): a plain `SELECT pg_advisory_lock($1)` would
+-- hold the database's xmin horizon for as long as it waits, and no VACUUM could remove a
+-- dead row meanwhile.
+CALL scheduler_wait_for_lock($1, $2)
 
 -- name: statement_timeout_reset
 -- After lock_wait: back to the value the session started with (database.statement_timeout,
@@ -1085,5 +1088,5 @@ SELECT pg_notify($1, $2)
 
 -- name: shard_watch
 -- Wait for the next member's lock ($1 the member class, $2 its objid as int4): granted the
--- moment that member's session ends.
-SELECT pg_advisory_lock($1, $2)
+-- moment that member's session ends. In slices of $3 ms, as lock_wait.
+CALL scheduler_wait_for_lock($1, $2, $3)

@@ -67,6 +67,12 @@ from .heartbeat import heartbeat
 
 QUERIES = queries("postgres")
 
+# A standby's wait for the lock, and a sharded member's watch, are slices this long, each
+# a transaction of its own (migration 0010): no snapshot lives longer than this, so a
+# waiting standby never holds back VACUUM by more. A slice ending costs the server one
+# subtransaction and the database nothing else; the wait itself is unbroken.
+LOCK_WAIT_SLICE_MS = 1000
+
 
 def session_keepalive_settings(settings: Settings) -> dict[str, str]:
     """Per-session TCP settings, so the server drops a vanished leader in bounded time.
@@ -400,7 +406,9 @@ class SessionGuard(GuardBase[PostgresStore]):
             return
         # No statement_timeout on the wait: it lasts until the lock is granted.
         await conn.execute(QUERIES["statement_timeout_off"])
-        waiting = asyncio.ensure_future(conn.execute(QUERIES["lock_wait"], self.key))
+        waiting = asyncio.ensure_future(
+            conn.execute(QUERIES["lock_wait"], self.key, LOCK_WAIT_SLICE_MS)
+        )
         # Stopping, or another loop of this replica found the schema newer than we know.
         quitting = [asyncio.ensure_future(e.wait()) for e in (self.stop, self.schema.newer)]
         try:

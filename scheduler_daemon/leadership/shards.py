@@ -56,7 +56,12 @@ from ..errors import describe
 from .assignment import Member
 from .base import Stopping, discard_outcome
 from .heartbeat import heartbeat
-from .postgres_session import SessionGuard, SessionLease, session_keepalive_settings
+from .postgres_session import (
+    LOCK_WAIT_SLICE_MS,
+    SessionGuard,
+    SessionLease,
+    session_keepalive_settings,
+)
 from .shard_keys import ShardKeys
 from .shard_lease import MemberLease
 from .shard_rebalance import Rebalancer
@@ -290,7 +295,9 @@ class ShardedSessionGuard(SessionGuard):
             await conn.execute(QUERIES["statement_timeout_off"])
             objid = _signed(self.keys.member_objid(watched.pid))
             granted = asyncio.ensure_future(
-                conn.execute(QUERIES["shard_watch"], self.keys.member_class, objid)
+                conn.execute(
+                    QUERIES["shard_watch"], self.keys.member_class, objid, LOCK_WAIT_SLICE_MS
+                )
             )
             changed = asyncio.ensure_future(lease.view_changed.wait())
             try:
