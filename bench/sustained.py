@@ -121,6 +121,8 @@ async def prefill(conn: asyncpg.Connection, per_schedule: int) -> float:
             per_schedule,
             PERIOD,
         )
+    # Their counts, as such a history leaves them (the trim of plugin.history keys off it).
+    await conn.execute("UPDATE scheduler_plugin_tasks SET run_count = $1", per_schedule)
     await conn.execute("VACUUM ANALYZE scheduler_plugin_runs")
     return time.monotonic() - started
 

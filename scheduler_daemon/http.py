@@ -20,7 +20,10 @@ loops run. Until then the server is *starting*: it reports the startup phase
   ``scheduler_database_up`` current, and ``/metrics`` runs it too, so the gauge is fresh
   at every scrape even where nothing polls ``/readyz``.
 - ``/metrics``: the daemon's own registry (never the process-global default one), in the
-  format the scraper asks for.
+  format the scraper asks for. Its check also reads the scheduler's tables' sizes and
+  dead rows and the database's oldest snapshot, at most every ``TABLES_REFRESH`` seconds:
+  facts of the database that every replica reports, so that several replicas' scrapes
+  do not load it. A read that fails leaves the gauges as they were.
 - ``/`` and below: the browser dashboard (dashboard/), unless ``dashboard.enabled`` is
   false: its reads go one at a time (one pooled connection), its live streams end on stop.
 - ``/status``: a summary of ``collect_status()`` that is safe to show the network (no
@@ -28,9 +31,11 @@ loops run. Until then the server is *starting*: it reports the startup phase
   this replica's own instance id and roles. With ``http.status_detail`` the full report
   that ``scheduler-daemon status --json`` prints, plus the same.
 
-Concurrent requests share one database check (``/readyz`` and ``/metrics``) and one status
-report (``/status``) in flight: however many arrive, the endpoints hold at most two pooled
-connections (three with the dashboard's one read at a time), which the pool's size counts on (config.transaction_pool_users).
+Concurrent requests share one database check (``/readyz`` and ``/metrics``; a scrape's
+table read runs in it, after the probe) and one status report (``/status``) in flight:
+however many arrive, the endpoints hold at most two pooled connections (three with the
+dashboard's one read at a time), which the pool's size counts on
+(config.transaction_pool_users).
 """
 
 from __future__ import annotations
@@ -59,6 +64,13 @@ from .status import collect_status, replica_status, summarize
 PROBE_TIMEOUT = 1.0
 # The status report reads pg_locks and pg_stat_activity: cheap, but not free.
 STATUS_TIMEOUT = 5.0
+# Table sizes and the oldest snapshot are the same for every replica: a scrape reads them
+# again only when the last read is this old, so scrapes of many replicas cost the
+# database a read per replica every 30 s at most.
+TABLES_REFRESH = 30.0
+# The table read is statistics and file sizes: quick, unless the server struggles, which
+# a scrape does not wait out.
+TABLES_TIMEOUT = 2.0
 # Handlers finish in milliseconds; waiting longer on stop would only delay the exit.
 SHUTDOWN_TIMEOUT = 2.0
 # Idle keep-alive connections are closed after this; scrapers simply reconnect.
@@ -79,6 +91,17 @@ class Readiness:
             "schema_version": self.schema_version,
             "expected_schema_version": self.expected_version,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class _Check:
+    """The database check in flight: the probe, whose answer ``readiness`` has as soon as
+    it is known, then, if ``tables``, the tables' read (``/metrics``), on the same one
+    pooled connection at a time."""
+
+    readiness: asyncio.Future[Readiness]
+    task: asyncio.Task[None]
+    tables: bool
 
 
 class HttpServer:
@@ -105,7 +128,8 @@ class HttpServer:
         self._store = store
         self._phase = "starting"
         self._runner: web.AppRunner | None = None
-        self._probe_task: asyncio.Task[Readiness] | None = None
+        self._check: _Check | None = None
+        self._tables_read_at: float | None = None  # the event loop's clock
         self._status_task: asyncio.Task[dict[str, Any] | str] | None = None
         # Set on stop: the dashboard's live streams end at once instead of holding it up.
         self._closing = asyncio.Event()
@@ -182,12 +206,14 @@ class HttpServer:
             await runner.cleanup()
         finally:
             # After cleanup no handler awaits the shared probe or report any more.
-            for task in (self._probe_task, self._status_task):
+            check = self._check.task if self._check is not None else None
+            for task in (check, self._status_task):
                 if task is not None and not task.done():
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
-            self._probe_task = self._status_task = None
+            self._check = None
+            self._status_task = None
             self.log.info("http.stopped")
 
     async def __aenter__(self) -> Self:
@@ -214,11 +240,34 @@ class HttpServer:
         store = self._store
         if store is None:
             return self._not_started()
-        task = self._probe_task
-        if task is None or task.done():
-            task = asyncio.create_task(self._check_database(store), name="http:probe")
-            self._probe_task = task
-        return await asyncio.shield(task)
+        return await asyncio.shield(self._check_in_flight(store, tables=False).readiness)
+
+    async def refresh_tables(self) -> None:
+        """Probe the database and, if the gauges of its tables are ``TABLES_REFRESH`` old,
+        read them again: what a scrape does before it answers. Shares the check in flight;
+        never raises for the database (the gauges keep their values)."""
+        store = self._store
+        if store is None:
+            return
+        check = self._check_in_flight(store, tables=self._tables_due())
+        await asyncio.shield(check.task)
+        if not check.tables and self._tables_due():
+            # It was a probe without the tables (a /readyz's): one more, after it.
+            await asyncio.shield(self._check_in_flight(store, tables=True).task)
+
+    def _tables_due(self) -> bool:
+        read_at = self._tables_read_at
+        return read_at is None or asyncio.get_running_loop().time() - read_at >= TABLES_REFRESH
+
+    def _check_in_flight(self, store: Store, tables: bool) -> _Check:
+        check = self._check
+        if check is None or check.task.done():
+            readiness = asyncio.get_running_loop().create_future()
+            task = asyncio.create_task(
+                self._check_database(store, readiness, tables), name="http:probe"
+            )
+            check = self._check = _Check(readiness, task, tables)
+        return check
 
     def _not_started(self) -> Readiness:
         """Readiness before :meth:`attach` (or after :meth:`detach`): never ready."""
@@ -230,7 +279,31 @@ class HttpServer:
             return "stopping"
         return f"starting: {self._phase}"
 
-    async def _check_database(self, store: Store) -> Readiness:
+    async def _check_database(
+        self, store: Store, readiness: asyncio.Future[Readiness], tables: bool
+    ) -> None:
+        try:
+            answer = await self._probe_database(store)
+            readiness.set_result(answer)
+            if tables and answer.schema_version is not None:  # answered, and migrated
+                await self._read_tables(store)
+        finally:
+            if not readiness.done():  # cancelled (stop): its waiters are too
+                readiness.cancel()
+
+    async def _read_tables(self, store: Store) -> None:
+        # Counted from the attempt: a failing database is not asked at every scrape.
+        self._tables_read_at = asyncio.get_running_loop().time()
+        try:
+            async with asyncio.timeout(TABLES_TIMEOUT):
+                health = await store.table_health()
+        except Exception as exc:  # timed out, unreachable, ...: the old values stay
+            self._database_failed(exc)
+            return
+        sizes = {t.table: (t.total_bytes, t.dead_ratio) for t in health.tables or ()}
+        self.metrics.record_tables(sizes, health.snapshot_seconds)
+
+    async def _probe_database(self, store: Store) -> Readiness:
         expected = migrations(store.backend)[-1].version
         try:
             async with asyncio.timeout(PROBE_TIMEOUT):
@@ -270,7 +343,7 @@ class HttpServer:
         return web.json_response(readiness.as_json(), status=200 if readiness.ready else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        await self.probe()
+        await self.refresh_tables()
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
         return web.Response(
             body=encoder(self.metrics.registry), headers={"Content-Type": content_type}

@@ -5,6 +5,8 @@ and queried by deploy/grafana/scheduler-daemon.json; a test keeps the three in s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from . import __version__
@@ -117,6 +119,38 @@ class Metrics:
             ["task"],
             registry=r,
         )
+        # Facts of the database, not of this replica: every replica reports the same,
+        # read when /metrics is scraped (http.py, at most every TABLES_REFRESH seconds).
+        self.table_bytes = Gauge(
+            "scheduler_table_bytes",
+            "Size of a scheduler table with its indexes and TOAST (PostgreSQL).",
+            ["table"],
+            registry=r,
+        )
+        self.table_dead_ratio = Gauge(
+            "scheduler_table_dead_ratio",
+            "Dead row versions / (live + dead) in a scheduler table, by the server's "
+            "statistics (PostgreSQL).",
+            ["table"],
+            registry=r,
+        )
+        self.oldest_snapshot = Gauge(
+            "scheduler_oldest_snapshot_seconds",
+            "How long the database's oldest snapshot (xmin) has been held: VACUUM removes "
+            "no row version that died since (PostgreSQL; 0: none held).",
+            registry=r,
+        )
+
+    def record_tables(
+        self, tables: Mapping[str, tuple[int, float]], snapshot_seconds: float | None
+    ) -> None:
+        """The database's tables: ``{table: (bytes, dead_ratio)}``, and how long its oldest
+        snapshot has been held (None: the backend has none, the gauge is left alone)."""
+        for table, (size, dead_ratio) in tables.items():
+            self.table_bytes.labels(table).set(size)
+            self.table_dead_ratio.labels(table).set(dead_ratio)
+        if snapshot_seconds is not None:
+            self.oldest_snapshot.set(snapshot_seconds)
 
     def prime_loop(self, loop: str) -> None:
         """Create a loop's labelled series at zero before it runs.

@@ -3,7 +3,8 @@
 PostgreSQL hands back booleans and aware datetimes; SQLite has neither type, so the same
 row comes back with ``1`` for true and times parsed from text. Everything printed with
 ``--json`` goes through :func:`json_rows`: booleans as ``true``/``false``, times as ISO
-8601 in UTC (``2026-12-01T05:04:31.951000+00:00``), the rest as it is.
+8601 in UTC (``2026-12-01T05:04:31.951000+00:00``), the rest as it is. The text output
+writes sizes and durations with :func:`human_size` and :func:`human_duration`.
 """
 
 from __future__ import annotations
@@ -53,3 +54,27 @@ def json_rows(rows: Iterable[Mapping[str, Any] | Any]) -> list[dict[str, Any]]:
 def dumps(value: Any) -> str:
     """Indented JSON; refuses (TypeError) anything :func:`json_value` did not convert."""
     return json.dumps(value, indent=2)
+
+
+def human_size(count: int) -> str:
+    """Bytes as PostgreSQL's pg_size_pretty writes them, to one decimal: 24.9 MB."""
+    if count < 1024:
+        return f"{count} bytes"
+    value = float(count)
+    for unit in ("kB", "MB", "GB", "TB"):
+        value /= 1024
+        if value < 1024 or unit == "TB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+def human_duration(seconds: float) -> str:
+    """12s, 14m 3s, 5h 2m, 3d 4h."""
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m {whole % 60}s"
+    if whole < 86400:
+        return f"{whole // 3600}h {whole % 3600 // 60}m"
+    return f"{whole // 86400}d {whole % 86400 // 3600}h"

@@ -3,7 +3,9 @@
 PostgreSQL: the lock holder and the waiting standbys come from ``pg_locks`` joined with
 ``pg_stat_activity`` (the lock manager's own truth), enriched with the holder's row in
 ``scheduler_leaders`` (host, pid, since, heartbeat). SQLite: the leaders row, and whether
-the loop's lock file is held right now.
+the loop's lock file is held right now. Both: the ``tables`` section, from
+:meth:`Store.table_health` (sizes, dead rows, vacuums and the oldest snapshot; SQLite's
+file), so that an operator sees when the hot tables stop being vacuumed.
 
 :func:`collect_status` is the full report, for whoever holds the database's credentials
 (the CLI). :func:`summarize` keeps the part that is safe to show anyone who can reach the
@@ -18,10 +20,10 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from .config.settings import Settings
-from .db.base import Store
+from .db.base import Store, TableHealth
 from .db.sqlfiles import migrations, queries
 from .leadership.sqlite_flock import lock_path
-from .output import json_value
+from .output import human_duration, human_size, json_value
 
 if TYPE_CHECKING:  # the CLI imports this module; it has no use for prometheus_client
     from .db.postgres import PostgresStore
@@ -68,6 +70,60 @@ async def collect_status(store: Store, settings: Settings) -> dict[str, Any]:
             "next_due": json_value(stats.next_due),
         },
         "loops": loops,
+        "tables": tables_report(await store.table_health()),
+    }
+
+
+def tables_report(health: TableHealth) -> dict[str, Any]:
+    """The ``tables`` section: per table its size, rows, dead ratio and vacuums, and what
+    holds the database's oldest snapshot (PostgreSQL); the database file (SQLite). What
+    the backend cannot tell is null."""
+    tables = None
+    if health.tables is not None:
+        tables = [
+            {
+                "table": t.table,
+                "bytes": t.total_bytes,
+                "live_rows": t.live_rows,
+                "dead_rows": t.dead_rows,
+                "dead_ratio": round(t.dead_ratio, 4),
+                "last_vacuum": json_value(t.last_vacuum),
+                "vacuum_age": None if t.vacuum_age is None else round(t.vacuum_age, 1),
+                "vacuum_count": t.vacuum_count,
+                "autovacuum_count": t.autovacuum_count,
+            }
+            for t in health.tables
+        ]
+    holder = health.oldest_snapshot
+    oldest = None
+    if holder is not None:
+        oldest = {
+            "kind": holder.kind,
+            "name": holder.name,
+            # Ours: the summary may show it, as it shows every replica's instance id.
+            "instance": instance_from_application_name(holder.name)
+            if holder.kind == "session"
+            else None,
+            "state": holder.state,
+            "backend_pid": holder.backend_pid,
+            "xmin_age": holder.xmin_age,
+            "held_for": None if holder.held_for is None else round(holder.held_for, 3),
+        }
+    file = health.file
+    return {
+        "tables": tables,
+        "oldest_snapshot": oldest,
+        "snapshot_seconds": None
+        if health.snapshot_seconds is None
+        else round(health.snapshot_seconds, 3),
+        "database_file": None
+        if file is None
+        else {
+            "bytes": file.bytes,
+            "page_size": file.page_size,
+            "free_pages": file.free_pages,
+            "wal_bytes": file.wal_bytes,
+        },
     }
 
 
@@ -234,6 +290,14 @@ def _flock_held(path: os.PathLike[str]) -> bool:
 # What the summary keeps, level by level; everything else is left out. An allow-list, so a
 # field added to the full report later stays out of the network's view until added here.
 _SUMMARY_TOP = ("backend", "lock_mode", "schema_version", "publications", "loops")
+_SUMMARY_TABLES = ("snapshot_seconds", "database_file")
+_SUMMARY_TABLE = (
+    "table", "bytes", "live_rows", "dead_rows", "dead_ratio", "last_vacuum", "vacuum_age",
+    "vacuum_count", "autovacuum_count",
+)  # fmt: skip
+_SUMMARY_DATABASE_FILE = ("bytes", "page_size", "free_pages", "wal_bytes")
+# Not its application_name: another client's may name a host or the database.
+_SUMMARY_SNAPSHOT = ("kind", "instance", "state", "xmin_age", "held_for")
 _SUMMARY_LOOP = (
     "lock_key", "lock_held", "standby_count", "backlog", "lag", "next_due",
     "shards", "member_count", "balance", "owner_changes",
@@ -253,9 +317,14 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
 
     Kept: per loop whether there is a leader, its instance id, since when, its heartbeat
     and fencing token; the standbys' instance ids and count; the backlog; the schema
-    version. Left out: the database URL (user, host, database name), host names, pids,
-    backend pids and client addresses. Instance ids stay: they are configured names, but
-    the default one is ``<hostname>-<pid>`` (see docs/operations.md).
+    version; the scheduler's tables' sizes, rows, dead ratios and vacuums, and what holds
+    the oldest snapshot: its kind, state, age and, if it is a replica's session, that
+    replica's instance id. Left out: the database URL (user, host, database name), host
+    names, pids, backend pids and client addresses, and the holder's own name (an
+    application_name, a prepared transaction's gid, a slot's name): the session may be
+    another client's, whose name may carry a host or database name. Instance ids stay:
+    they are configured names, but the default one is ``<hostname>-<pid>`` (see
+    docs/operations.md).
     """
     summary = _keep(report, _SUMMARY_TOP)
     loops: dict[str, dict[str, Any]] = {}
@@ -273,7 +342,20 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         loops[name] = loop
     if "loops" in report:
         summary["loops"] = loops
+    if "tables" in report:
+        summary["tables"] = _summarize_tables(report["tables"])
     return summary
+
+
+def _summarize_tables(section: dict[str, Any]) -> dict[str, Any]:
+    kept = _keep(section, _SUMMARY_TABLES)
+    if kept.get("database_file") is not None:
+        kept["database_file"] = _keep(kept["database_file"], _SUMMARY_DATABASE_FILE)
+    tables = section.get("tables")
+    kept["tables"] = None if tables is None else [_keep(t, _SUMMARY_TABLE) for t in tables]
+    oldest = section.get("oldest_snapshot")
+    kept["oldest_snapshot"] = None if oldest is None else _keep(oldest, _SUMMARY_SNAPSHOT)
+    return kept
 
 
 def replica_status(
@@ -345,7 +427,61 @@ def render_status(report: dict[str, Any]) -> str:
                 f"{'':<10} backlog {info['backlog']} schedules due, lag {info['lag']:g}s, "
                 f"next slot {info['next_due'] or '-'}"
             )
+    if "tables" in report:
+        lines.extend(_render_tables(report["tables"]))
     return "\n".join(lines)
+
+
+# A snapshot held longer than this is worth a line: VACUUM has been held back since.
+SNAPSHOT_SHOWN_AFTER = 60.0
+# Where its start is hidden (a slot; another role's session), its age in transactions.
+SNAPSHOT_SHOWN_AFTER_XIDS = 1000
+
+
+def _render_tables(section: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    label = "tables"
+    for table in section.get("tables") or []:
+        age = table["vacuum_age"]
+        ratio = table["dead_ratio"]
+        dead = "<1%" if 0 < ratio < 0.01 else f"{ratio:.0%}"
+        lines.append(
+            f"{label:<10} {table['table']} {human_size(table['bytes'])}, "
+            f"{table['live_rows']:,} live, {dead} dead, "
+            f"{'never vacuumed' if age is None else f'vacuumed {human_duration(age)} ago'}"
+        )
+        label = ""
+    file = section.get("database_file")
+    if file is not None:
+        free = human_size(file["free_pages"] * file["page_size"])
+        wal = file["wal_bytes"]
+        lines.append(
+            f"{label:<10} database file {human_size(file['bytes'])}, "
+            f"{file['free_pages']:,} free pages ({free})"
+            + ("" if wal is None else f", write-ahead log {human_size(wal)}")
+        )
+    holder = section.get("oldest_snapshot")
+    if holder is not None and _snapshot_shown(holder):
+        held = holder["held_for"]
+        who = holder["name"] or holder["instance"] or "?"
+        state = f", {holder['state']}" if holder["state"] else ""
+        since = (
+            f"held for {human_duration(held)}"
+            if held is not None
+            else f"{holder['xmin_age']:,} transactions old"
+        )
+        lines.append(
+            f"{'':<10} oldest snapshot {since}, by {holder['kind']} {who}{state}: "
+            "VACUUM cannot remove rows that died since"
+        )
+    return lines
+
+
+def _snapshot_shown(holder: dict[str, Any]) -> bool:
+    held = holder["held_for"]
+    if held is not None:
+        return bool(held > SNAPSHOT_SHOWN_AFTER)
+    return bool(holder["xmin_age"] > SNAPSHOT_SHOWN_AFTER_XIDS)
 
 
 def _render_shards(loop: str, info: dict[str, Any]) -> list[str]:

@@ -252,7 +252,7 @@ def test_failing_and_hung_work_fails_alone_beside_healthy_work(
             "SCHEDULER_PUBLISH__PUBLISHER_TIMEOUT": "1s",
             "SCHEDULER_PLUGIN__INTERVAL": "0.1",
             "SCHEDULER_PLUGIN__TASKS": json.dumps(tasks),
-            "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
+            "SCHEDULER_PLUGIN__DISABLED": '["purge_publications", "purge_runs"]',
             # Not auto-paused while the test counts its failures.
             "SCHEDULER_PLUGIN__MAX_CONSECUTIVE_FAILURES": "100",
         }

@@ -71,7 +71,12 @@ def clock(offset: str | None) -> dict[str, str]:
 def replica_env(url: str, name: str, offset: str | None) -> dict[str, str]:
     """A replica with the tick probe (rig.ticks, every 0.2 s) and a task whose slots fall
     every second, on PostgreSQL, its clock moved by `offset`."""
-    env = pg_env(url, name, SCHEDULER_PLUGIN__DISABLED='["purge_publications"]', **clock(offset))
+    env = pg_env(
+        url,
+        name,
+        SCHEDULER_PLUGIN__DISABLED='["purge_publications", "purge_runs"]',
+        **clock(offset),
+    )
     slots = {"name": "slots", "every": f"{SLOT_PERIOD:g}s", "sql": "SELECT 1"}
     env["SCHEDULER_PLUGIN__TASKS"] = json.dumps(
         [*json.loads(env["SCHEDULER_PLUGIN__TASKS"]), slots]

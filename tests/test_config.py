@@ -534,9 +534,14 @@ def test_any_accepted_config_stops_the_leader_before_the_server_can_free_its_loc
     except ValidationError:
         return  # refused: it never runs
     sent = _sent_values(settings)
-    # What the server gets is what was configured, nothing rounded away...
-    assert sent[0] == settings.lock.keepalive_idle == parse_duration(idle)
-    assert sent[1] == settings.lock.keepalive_interval == parse_duration(interval)
+    # What the server gets is what was configured, nothing rounded away (a float within
+    # 1e-6 of whole seconds, 1.9999999999999964, is taken as those seconds)...
+    assert sent[0] == settings.lock.keepalive_idle == pytest.approx(parse_duration(idle), abs=1e-6)
+    assert (
+        sent[1]
+        == settings.lock.keepalive_interval
+        == pytest.approx(parse_duration(interval), abs=1e-6)
+    )
     assert sent[3] == pytest.approx(parse_duration(user_timeout) * 1000, abs=1e-6)
     # ...and on those values the leader's work has stopped before the server can free the
     # lock (by keepalive) and before a standby can evict it.

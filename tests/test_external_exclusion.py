@@ -476,7 +476,7 @@ def test_transaction_mode_a_long_sql_task_delays_others_without_failing_them(
         **FAST_TIMINGS,
         "SCHEDULER_PLUGIN__INTERVAL": "0.1",
         "SCHEDULER_PLUGIN__TASKS": json.dumps(tasks),
-        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
+        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications", "purge_runs"]',
     }
     process = daemons.start(env, PLUGIN_ONLY, "long")
     wait_until(

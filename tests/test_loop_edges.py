@@ -34,7 +34,7 @@ def test_a_full_plugin_loop_waits_for_a_free_place_instead_of_spinning(
             "SCHEDULER_DATABASE_URL": sqlite_url,
             "SCHEDULER_PLUGIN__TASKS": json.dumps(tasks),
             "SCHEDULER_PLUGIN__CONCURRENCY": "1",
-            "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
+            "SCHEDULER_PLUGIN__DISABLED": '["purge_publications", "purge_runs"]',
             "SCHEDULER_PLUGIN__INTERVAL": "1s",
             "SCHEDULER_LOG__LEVEL": "debug",
             "PYTHONPATH": TESTS,

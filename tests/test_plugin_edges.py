@@ -148,7 +148,7 @@ def test_shutdown_timeout_holds_when_the_stop_lands_in_a_waiting_tick(
         "SCHEDULER_SHUTDOWN_TIMEOUT": "2",
         "SCHEDULER_PLUGIN__INTERVAL": "0.1",
         "SCHEDULER_PLUGIN__TASKS": json.dumps([task]),
-        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
+        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications", "purge_runs"]',
     }
     process = daemons.start(env, args=["run", "--only", "plugin"])
     process.wait_for_log("task.started", task="long", timeout=30)
@@ -175,7 +175,7 @@ def test_transaction_mode_sql_task_may_outlast_the_pools_command_timeout(
         "SCHEDULER_DATABASE__STATEMENT_TIMEOUT": "1",
         "SCHEDULER_DATABASE__CONNECT_TIMEOUT": "1",
         "SCHEDULER_PLUGIN__TASKS": json.dumps([task]),
-        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
+        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications", "purge_runs"]',
     }
     process = daemons.start(env, args=["run", "--only", "plugin"])
     process.wait_for_log("task.succeeded", task="long", timeout=30)

@@ -57,7 +57,7 @@ def replica_env(pg_url: str, instance: str) -> dict[str, str]:
         "SCHEDULER_SHUTDOWN_TIMEOUT": "10",
         "SCHEDULER_PLUGIN__INTERVAL": "0.1",
         "SCHEDULER_PLUGIN__TASKS": json.dumps(tasks),
-        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
+        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications", "purge_runs"]',
         **FAST_TIMINGS,
     }
 

@@ -100,7 +100,10 @@ def make_settings(database_url: str, tasks: list[dict[str, Any]], **overrides: A
     plugin = {
         "interval": 0.1,
         "tasks": tasks,
-        "disabled": ["purge_publications"],  # the built-in: only where a test wants it
+        "disabled": [
+            "purge_publications",
+            "purge_runs",
+        ],  # the built-in: only where a test wants it
         **overrides.pop("plugin", {}),
     }
     return Settings(
@@ -766,6 +769,95 @@ async def test_purge_publications_in_batches(database_url: str, db: Db) -> None:
     assert await db.fetch("SELECT count(*) AS n FROM scheduler_publications") == [{"n": 0}]
 
 
+async def test_history_is_trimmed_to_its_count_each_task_at_its_own_phase(
+    database_url: str, db: Db
+) -> None:
+    """plugin.history = 4 trims a task's history every 4 runs, right after the result of
+    the run that reaches its phase, to its newest 4: it keeps 4 to 7 rows, and
+    (kept - 4 - run_count) mod 4 is its phase. Each task trims at its own phase (a hash
+    of its name), not when its run count is a multiple of 4: tasks made together, whose
+    counts move in step, would all trim in the same second."""
+    names = [f"t{i}" for i in range(6)]
+    tasks = [task(n, every="100ms", target="plugin_targets:tick") for n in names]
+
+    async def counts() -> dict[str, int]:
+        rows = await db.fetch("SELECT name, run_count FROM scheduler_plugin_tasks")
+        return {row["name"]: row["run_count"] for row in rows}
+
+    async with running(database_url, tasks, plugin={"history": 4}):
+
+        async def enough() -> bool:
+            seen = await counts()
+            return all(seen.get(n, 0) >= 12 for n in names)
+
+        await until(enough, "12 runs of every task", within=60)
+    # Stopped: every run has ended and its result (and trim) is written.
+    seen = await counts()
+    kept = {n: len(await db.runs(n)) for n in names}
+    assert all(4 <= kept[n] <= 7 for n in names), kept
+    phases = {n: (kept[n] - 4 - seen[n]) % 4 for n in names}
+    assert len(set(phases.values())) > 1, phases
+
+
+async def test_purge_runs_deletes_history_older_than_its_max_age(database_url: str, db: Db) -> None:
+    now = datetime.now(UTC)
+    runs = {  # name: (status, started how long ago)
+        "old-succeeded": ("succeeded", timedelta(days=8)),
+        "old-failed": ("failed", timedelta(hours=3)),
+        # Left `running` by a leader that died: the new leader closes it (abandoned), and
+        # then it is history like any other.
+        "old-orphan": ("running", timedelta(days=9)),
+        "young": ("succeeded", timedelta(minutes=30)),
+    }
+    for name, (status, age) in runs.items():
+        await db.fetch(
+            "INSERT INTO scheduler_plugin_runs (name, slot, instance, started_at, status) "
+            "VALUES ($1, $2, 'old', $2, $3)",
+            name,
+            now - age,
+            status,
+        )
+    plugin = {"disabled": ["purge_publications"], "history_max_age": "2h"}
+    async with running(database_url, [], plugin=plugin):
+        await at_least(db, "purge_runs", "succeeded", 1)
+        state = await db.task("purge_runs")
+    left = {row["name"] for row in await db.fetch("SELECT name FROM scheduler_plugin_runs")}
+    assert left == {"young", "purge_runs"}
+    assert state["schedule"] == "every 60s"
+
+
+async def test_purge_runs_in_batches_stops_at_the_first_young_run(
+    database_url: str, db: Db
+) -> None:
+    old = datetime.now(UTC) - timedelta(days=30)
+    young = datetime.now(UTC) - timedelta(hours=1)
+    for first, when in ((1, old), (2501, young)):  # 2,500 old runs, then 10 young ones
+        count = 2500 if when is old else 10
+        if db.backend == "postgres":
+            await db.fetch(
+                "INSERT INTO scheduler_plugin_runs (name, slot, instance, started_at, status) "
+                "SELECT 'r' || n, $1::timestamptz, 'old', $1::timestamptz, 'succeeded' "
+                "FROM generate_series($2::int, $2::int + $3::int - 1) n",
+                when,
+                first,
+                count,
+            )
+        else:
+            await db.fetch(
+                "WITH RECURSIVE n(i) AS (SELECT $2 UNION ALL SELECT i + 1 FROM n "
+                "WHERE i < $2 + $3 - 1) "
+                "INSERT INTO scheduler_plugin_runs (name, slot, instance, started_at, status) "
+                "SELECT 'r' || i, $1, 'old', $1, 'succeeded' FROM n",
+                when,
+                first,
+                count,
+            )
+    async with running(database_url, [], plugin={"disabled": ["purge_publications"]}):
+        await at_least(db, "purge_runs", "succeeded", 1)
+    rows = await db.fetch("SELECT count(*) AS n FROM scheduler_plugin_runs WHERE instance = 'old'")
+    assert rows == [{"n": 10}]
+
+
 @pytest.mark.processes
 async def test_sample_plugin_task_runs_from_its_entry_point(
     database_url: str, db: Db, daemons: Daemons
@@ -773,7 +865,7 @@ async def test_sample_plugin_task_runs_from_its_entry_point(
     env = {
         "SCHEDULER_DATABASE_URL": database_url,
         "SCHEDULER_PLUGIN__INTERVAL": "0.1",
-        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
+        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications", "purge_runs"]',
         "SCHEDULER_SAMPLE_PLUGIN": "1",
         "SCHEDULER_INSTANCE_ID": "sample-host",
     }

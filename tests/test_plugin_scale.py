@@ -41,7 +41,7 @@ def replica_env(url: str, instance: str, log: Path) -> dict[str, str]:
         **FAST_TIMINGS,
         "SCHEDULER_PLUGIN__INTERVAL": "0.2",
         "SCHEDULER_PLUGIN__RUNNABLE": json.dumps([TARGET]),
-        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
+        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications", "purge_runs"]',
         "SCHEDULER_PLUGIN__HISTORY": "100",
         "SCHEDULER_LOG__LEVEL": "warning",  # 1,000 info lines a second would be the load
         "SCHEDULER_HTTP__ENABLED": "false",

@@ -237,6 +237,7 @@ def test_good_declarations_are_listed_with_their_schedule_and_source(tmp_path: P
             "schedule": "every 600s",
             "source": "builtin",
         },
+        "purge_runs": {"name": "purge_runs", "schedule": "every 60s", "source": "builtin"},
     }
 
 
@@ -248,7 +249,7 @@ def test_disabled_and_enabled_false_remove_tasks(tmp_path: Path) -> None:
             {"name": "switched-off", "every": "1m", "sql": "SELECT 1", "enabled": False},
             {"name": "listed-off", "every": "1m", "sql": "SELECT 1"},
         ],
-        extra='[plugin]\ndisabled = ["listed-off", "purge_publications"]\n',
+        extra='[plugin]\ndisabled = ["listed-off", "purge_publications", "purge_runs"]\n',
     )
     result = run_cli(["check-config", "--config", str(config)], base_env(tmp_path), cwd=tmp_path)
     assert set(effective_tasks(result)) == {"kept"}
@@ -274,6 +275,7 @@ def test_sample_plugin_tasks_load_from_its_entry_point(tmp_path: Path) -> None:
     disabled = {**on_env, "SCHEDULER_PLUGIN__DISABLED": '["sample.tidy"]'}
     assert set(effective_tasks(run_cli(args, disabled, cwd=tmp_path))) == {
         "purge_publications",
+        "purge_runs",
         "sample.greet",
     }
 
@@ -351,9 +353,10 @@ def test_config_task_and_plugin_task_with_one_name(refused_plugins: Results) -> 
 def test_builtin_declarations_are_valid_and_can_be_disabled() -> None:
     settings = Settings(plugin={"entry_points": False})
     assert [spec.name for spec in load_tasks(settings, builtin_tasks(settings))] == [
-        "purge_publications"
+        "purge_runs",
+        "purge_publications",
     ]
-    off = Settings(plugin={"entry_points": False, "disabled": ["purge_publications"]})
+    off = Settings(plugin={"entry_points": False, "disabled": ["purge_publications", "purge_runs"]})
     assert load_tasks(off, builtin_tasks(off)) == []
 
 

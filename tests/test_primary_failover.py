@@ -248,7 +248,7 @@ def replica_env(dsn: str, instance: str, effects_log: Path) -> dict[str, str]:
         "SCHEDULER_PUBLISH__SQL__STATEMENT": AUDIT_STATEMENT,
         "SCHEDULER_PLUGIN__INTERVAL": "0.1",
         "SCHEDULER_PLUGIN__TASKS": json.dumps([task]),
-        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
+        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications", "purge_runs"]',
         **effects_env(effects_log, 0.1),
         "EFFECTS_PUBLISH_SECONDS": "0.02",
     }

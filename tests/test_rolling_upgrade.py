@@ -562,7 +562,7 @@ def test_on_sqlite_the_old_leader_hands_over_once_the_next_build_migrated(
         "SCHEDULER_PLUGIN__TASKS": json.dumps(
             [{"name": "probe", "every": "0.3s", "target": EFFECTS_TARGETS["async"]}]
         ),
-        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
+        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications", "purge_runs"]',
         **effects_env(effects, 0.2),
     }
     old = daemons.start({**env, "SCHEDULER_INSTANCE_ID": "old-1"}, PLUGIN_ONLY, name="old-1")

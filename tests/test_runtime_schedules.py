@@ -85,7 +85,7 @@ def settings_for(url: str, **plugin: Any) -> Settings:
         shutdown_timeout=5,
         http={"enabled": False},
         publish={"enabled": False},
-        plugin={"interval": 0.1, "disabled": ["purge_publications"], **plugin},
+        plugin={"interval": 0.1, "disabled": ["purge_publications", "purge_runs"], **plugin},
     )
 
 

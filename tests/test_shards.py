@@ -74,7 +74,7 @@ def replica_env(url: str, instance: str, log: Path, shards: int = SHARDS) -> dic
         "SCHEDULER_PLUGIN__HANDOVER_TIMEOUT": "5s",
         "SCHEDULER_PLUGIN__INTERVAL": "0.1",
         "SCHEDULER_PLUGIN__TASKS": json.dumps(tasks),
-        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
+        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications", "purge_runs"]',
         **effects_env(log, WORK),
     }
 

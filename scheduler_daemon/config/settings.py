@@ -179,8 +179,11 @@ class PluginSettings(Section):
     sync_concurrency: int = Field(default=4, ge=1, le=1000)
     # A task that fails this many times in a row is paused (resume with `tasks resume`).
     max_consecutive_failures: int = Field(default=5, ge=1, le=_PG_INT_MAX)
-    # Rows of run history kept per task in scheduler_plugin_runs.
+    # Run history kept in scheduler_plugin_runs: at most `history` rows per task, and none
+    # older than `history_max_age` (by when it started), whichever keeps fewer. The built-in
+    # task purge_runs deletes by age; the count is trimmed as results are written.
     history: int = Field(default=1000, ge=1, le=_PG_INT_MAX)
+    history_max_age: Duration = 7 * 86400.0
     # Load tasks from the entry-point group scheduler_daemon.plugins.
     entry_points: bool = True
     # Task names (from config, plugins or built-ins) not to run.

@@ -63,6 +63,71 @@ class PublicationStats:
     next_due: datetime | None
 
 
+# The scheduler's tables whose health `status` and /metrics report (TableHealth).
+SCHEDULER_TABLES = (
+    "scheduler_plugin_tasks",
+    "scheduler_plugin_runs",
+    "scheduler_publications",
+    "scheduler_webhook_outbox",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TableStats:
+    """One of :data:`SCHEDULER_TABLES`, from the server's statistics (PostgreSQL). A
+    partitioned table is the sum of its partitions; its vacuum time is its least recently
+    vacuumed partition's. Row counts are the statistics' estimates, not ``count(*)``."""
+
+    table: str
+    total_bytes: int  # table, indexes and TOAST
+    live_rows: int
+    dead_rows: int
+    dead_ratio: float  # dead / (live + dead); 0 when both are 0
+    last_vacuum: datetime | None  # the later of the last manual and automatic VACUUM
+    vacuum_age: float | None  # seconds since last_vacuum, by the database's clock
+    vacuum_count: int
+    autovacuum_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotHolder:
+    """What holds the database's oldest xmin: no VACUUM can remove a row version that
+    died after it (PostgreSQL)."""
+
+    kind: Literal["session", "prepared transaction", "replication slot"]
+    name: str | None  # the session's application_name, the gid, the slot's name
+    state: str | None  # pg_stat_activity.state; a slot: active or inactive
+    backend_pid: int | None
+    xmin_age: int  # transactions since its xmin
+    # Seconds since its transaction (or statement) began; None where unknown: a slot, or
+    # a session of another role that this one may not see the times of.
+    held_for: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class DatabaseFile:
+    """SQLite: the database file, whose deleted rows leave free pages (no dead rows)."""
+
+    bytes: int  # page_count * page_size
+    page_size: int
+    free_pages: int  # freelist_count: reused by later writes, returned only by VACUUM
+    wal_bytes: int | None  # the write-ahead log beside it (None: there is none)
+
+
+@dataclass(frozen=True, slots=True)
+class TableHealth:
+    """Whether the scheduler's tables stay small and vacuumed. What a backend cannot
+    tell is None: ``tables`` and ``oldest_snapshot`` on SQLite, ``file`` on PostgreSQL."""
+
+    tables: tuple[TableStats, ...] | None
+    oldest_snapshot: SnapshotHolder | None
+    file: DatabaseFile | None
+    # Seconds the oldest xmin has been held (0: none is): ``oldest_snapshot.held_for``, or
+    # where that is unknown (a slot, another role's session), the oldest holder's whose
+    # start is known.
+    snapshot_seconds: float | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduleRecord:
     """A row of ``scheduler_plugin_tasks``: a runtime schedule (``target`` set: the row
@@ -272,6 +337,11 @@ class Store(Protocol):
         ...
 
     async def publication_stats(self) -> PublicationStats: ...
+
+    async def table_health(self) -> TableHealth:
+        """The scheduler's tables' sizes and dead rows, and what holds VACUUM back: one
+        cheap read of the server's statistics (`status`, ``/metrics``)."""
+        ...
 
     def transaction(self, *, readonly: bool = False) -> AbstractAsyncContextManager[Tx]:
         """An unfenced transaction, for administration (the CLI), never for loop work.

@@ -247,6 +247,13 @@ class PluginStore:
             for row in rows
         ]
 
+    async def purge(self, *, older_than: float, limit: int) -> int:
+        """Delete up to ``limit`` finished runs that started more than ``older_than``
+        seconds ago, oldest first; return how many went (fewer than ``limit``: no more
+        are old enough)."""
+        rows = await self.tx.query("purge_runs", older_than=older_than, limit=limit)
+        return len(rows)
+
     async def trim(self, names: Sequence[str], keep: int) -> None:
         """Delete the runs of ``names`` older than their newest ``keep``."""
         await self.tx.query("plugin_trim", names=list(names), keep=keep)

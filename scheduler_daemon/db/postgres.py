@@ -24,6 +24,7 @@ from ..config.settings import Settings
 from ..errors import PrivilegeRefused, explain_timeouts
 from ..redact import redact
 from .base import (
+    SCHEDULER_TABLES,
     AppliedMigration,
     Capabilities,
     Publication,
@@ -31,6 +32,9 @@ from .base import (
     PublicationStats,
     ScheduleResult,
     ShardScope,
+    SnapshotHolder,
+    TableHealth,
+    TableStats,
 )
 from .common import explain_cancel_refusal
 from .privileges import refuse_missing_grants, refuse_unusable_schema
@@ -425,6 +429,37 @@ class PostgresStore:
     async def publication_stats(self) -> PublicationStats:
         row = await self.pool.fetchrow(QUERIES["publication_stats"])
         return PublicationStats(row["scheduled"], row["due"], row["next_due"])
+
+    async def table_health(self) -> TableHealth:
+        rows = await self.pool.fetch(QUERIES["table_health"], list(SCHEDULER_TABLES))
+        tables = tuple(
+            TableStats(
+                table=row["table_name"],
+                total_bytes=row["total_bytes"],
+                live_rows=row["live_rows"],
+                dead_rows=row["dead_rows"],
+                dead_ratio=row["dead_ratio"],
+                last_vacuum=row["last_vacuum"],
+                vacuum_age=row["vacuum_age"],
+                vacuum_count=row["vacuum_count"],
+                autovacuum_count=row["autovacuum_count"],
+            )
+            for row in rows
+            if row["total_bytes"] is not None  # (a table missing: a schema never migrated)
+        )
+        first = rows[0] if rows else None
+        holder = None
+        if first is not None and first["holder_kind"] is not None:
+            holder = SnapshotHolder(
+                kind=first["holder_kind"],
+                name=first["holder_name"],
+                state=first["holder_state"],
+                backend_pid=first["holder_pid"],
+                xmin_age=first["holder_xmin_age"],
+                held_for=first["holder_held_for"],
+            )
+        timed = None if first is None else first["timed_held_for"]
+        return TableHealth(tables, holder, None, snapshot_seconds=timed or 0.0)
 
     @asynccontextmanager
     async def transaction(self, *, readonly: bool = False) -> AsyncIterator[PgTx]:

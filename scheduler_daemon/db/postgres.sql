@@ -117,6 +117,86 @@ SELECT count(*) AS scheduled,
 FROM scheduler_publications
 WHERE status = 'scheduled'
 
+-- name: table_health
+-- `status`, and /metrics at most every 30 s: per table named in $1 (in that order), its
+-- size, estimated live and dead rows and vacuums, a partitioned table's summed over its
+-- partitions (pg_inherits, recursively; its vacuum time is its least recently vacuumed
+-- leaf's). And on every row, what holds the database's oldest xmin, past which no VACUUM
+-- removes a dead row version from any of them: a session of this database (or a
+-- walsender, whose hot_standby_feedback counts for every database), a prepared
+-- transaction, or a replication slot's xmin (its catalog_xmin holds back the system
+-- catalogs only, not these tables). An autovacuum worker's xmin holds back no other
+-- VACUUM. held_for is how long the holder's transaction (or statement) has run: NULL for
+-- a slot, and for another role's session without pg_read_all_stats, whose times are
+-- hidden; timed_held_for is then that of the oldest holder whose time is known. One
+-- statement, one round trip: statistics and file sizes, no table is read.
+WITH RECURSIVE ours AS (
+    SELECT t.name, to_regclass(t.name) AS root, t.position
+    FROM unnest($1::text[]) WITH ORDINALITY AS t(name, position)
+),
+tree AS (
+    SELECT name, root AS relid FROM ours WHERE root IS NOT NULL
+    UNION ALL
+    SELECT tree.name, i.inhrelid FROM tree JOIN pg_inherits i ON i.inhparent = tree.relid
+),
+sizes AS (
+    SELECT tree.name,
+           sum(pg_total_relation_size(tree.relid))::bigint AS total_bytes,
+           coalesce(sum(s.n_live_tup), 0)::bigint AS live_rows,
+           coalesce(sum(s.n_dead_tup), 0)::bigint AS dead_rows,
+           CASE WHEN bool_or(greatest(s.last_vacuum, s.last_autovacuum) IS NULL)
+                     FILTER (WHERE c.relkind <> 'p') THEN NULL
+                ELSE min(greatest(s.last_vacuum, s.last_autovacuum))
+                     FILTER (WHERE c.relkind <> 'p')
+           END AS last_vacuum,
+           coalesce(sum(s.vacuum_count), 0)::bigint AS vacuum_count,
+           coalesce(sum(s.autovacuum_count), 0)::bigint AS autovacuum_count
+    FROM tree
+    JOIN pg_class c ON c.oid = tree.relid
+    LEFT JOIN pg_stat_user_tables s ON s.relid = tree.relid
+    GROUP BY tree.name
+),
+holders AS (
+    SELECT 'session' AS kind, a.application_name AS name, a.state, a.pid AS backend_pid,
+           greatest(age(a.backend_xmin), age(a.backend_xid)) AS xmin_age,
+           extract(epoch FROM now() - coalesce(a.xact_start, a.query_start))::float8
+               AS held_for
+    FROM pg_stat_activity a
+    WHERE (a.datname = current_database() OR a.backend_type = 'walsender')
+      AND a.pid <> pg_backend_pid()
+      AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
+      AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+    UNION ALL
+    SELECT 'prepared transaction', p.gid, NULL, NULL, age(p.transaction),
+           extract(epoch FROM now() - p.prepared)::float8
+    FROM pg_prepared_xacts p
+    WHERE p.database = current_database()
+    UNION ALL
+    SELECT 'replication slot', r.slot_name,
+           CASE WHEN r.active THEN 'active' ELSE 'inactive' END, r.active_pid, age(r.xmin),
+           NULL
+    FROM pg_replication_slots r
+    WHERE r.xmin IS NOT NULL
+),
+oldest AS (
+    SELECT * FROM holders ORDER BY xmin_age DESC, held_for DESC NULLS LAST LIMIT 1
+)
+SELECT ours.name AS table_name, sizes.total_bytes, sizes.live_rows, sizes.dead_rows,
+       CASE WHEN sizes.live_rows + sizes.dead_rows > 0
+            THEN sizes.dead_rows::float8 / (sizes.live_rows + sizes.dead_rows) ELSE 0
+       END AS dead_ratio,
+       sizes.last_vacuum, extract(epoch FROM now() - sizes.last_vacuum)::float8 AS vacuum_age,
+       sizes.vacuum_count, sizes.autovacuum_count,
+       oldest.kind AS holder_kind, oldest.name AS holder_name, oldest.state AS holder_state,
+       oldest.backend_pid AS holder_pid, oldest.xmin_age AS holder_xmin_age,
+       oldest.held_for AS holder_held_for,
+       (SELECT h.held_for FROM holders h WHERE h.held_for IS NOT NULL
+        ORDER BY h.xmin_age DESC, h.held_for DESC LIMIT 1) AS timed_held_for
+FROM ours
+LEFT JOIN sizes USING (name)
+LEFT JOIN oldest ON true
+ORDER BY ours.position
+
 -- name: fencing_next
 -- A new leader's fencing token: larger than any before it for this loop, and never handed
 -- out twice, not even across an asynchronous failover or a crash (migration 0007,
@@ -780,6 +860,22 @@ USING (SELECT n.name, c.slot AS cutoff
                            WHERE name = n.name ORDER BY slot DESC
                            OFFSET :keep LIMIT 1) c) old
 WHERE p.name = old.name AND p.slot <= old.cutoff AND p.status <> 'running'
+
+-- name: purge_runs
+-- Run history older than :older_than seconds (by started_at), oldest first: the :limit
+-- lowest ids, of which those old enough and finished go. Ids grow with started_at (both
+-- are set by the claim), so the oldest rows are the lowest ids: this reads :limit entries
+-- of the primary key and no more, whether or not there is anything to delete (a filter on
+-- started_at would scan the whole history to find nothing). A batch that deleted fewer
+-- than :limit reached rows too young (or still running): the purge is done for now.
+WITH oldest AS (
+    SELECT id, started_at, status FROM scheduler_plugin_runs ORDER BY id LIMIT :limit
+)
+DELETE FROM scheduler_plugin_runs r
+USING oldest o
+WHERE r.id = o.id AND o.status <> 'running'
+  AND o.started_at < now() - make_interval(secs => :older_than)
+RETURNING r.id
 
 -- name: purge_publications
 DELETE FROM scheduler_publications

@@ -32,11 +32,13 @@ from .base import (
     AppliedMigration,
     Capabilities,
     CommitWatch,
+    DatabaseFile,
     Publication,
     PublicationFilter,
     PublicationStats,
     ScheduleResult,
     ShardScope,
+    TableHealth,
 )
 from .common import explain_cancel_refusal, to_db_time
 from .sqlfiles import formatted, migrations, queries
@@ -415,6 +417,19 @@ class SqliteStore:
         row = await self._fetchone(QUERIES["publication_stats"])
         assert row is not None
         return PublicationStats(row["scheduled"], row["due"], from_julian_day(row["next_due_jd"]))
+
+    async def table_health(self) -> TableHealth:
+        row = await self._fetchone(QUERIES["table_health"])
+        assert row is not None
+        wal = self.path.with_name(self.path.name + "-wal")
+        try:
+            # A reader that never ends keeps checkpoints from recycling the log, which
+            # then grows: SQLite's counterpart of a held-back VACUUM.
+            wal_bytes: int | None = wal.stat().st_size
+        except FileNotFoundError:
+            wal_bytes = None
+        file = DatabaseFile(row["bytes"], row["page_size"], row["free_pages"], wal_bytes)
+        return TableHealth(tables=None, oldest_snapshot=None, file=file)
 
     async def close(self) -> None:
         await self.conn.close()

@@ -71,6 +71,14 @@ SELECT count(*) AS scheduled,
 FROM scheduler_publications
 WHERE status = 'scheduled'
 
+-- name: table_health
+-- `status`: the database file's size and free pages, read from its header. SQLite has no
+-- dead row versions (a deleted row's space is free once its transaction commits) and no
+-- VACUUM horizon: a free page is reused by later writes, and only VACUUM gives it back to
+-- the file system.
+SELECT p.page_count * s.page_size AS bytes, s.page_size, f.freelist_count AS free_pages
+FROM pragma_page_count() AS p, pragma_page_size() AS s, pragma_freelist_count() AS f
+
 -- name: fencing_next
 -- One more than the last. (No sequence in SQLite; its transactions that draw a token
 -- commit before any work starts.)
@@ -270,6 +278,15 @@ WHERE status <> 'running' AND name IN (SELECT value FROM json_each(:names))
   AND slot <= (SELECT r.slot FROM scheduler_plugin_runs r
                WHERE r.name = scheduler_plugin_runs.name
                ORDER BY r.slot DESC LIMIT 1 OFFSET :keep)
+
+-- name: purge_runs
+-- As PostgreSQL's: of the :limit lowest ids (the oldest runs), those finished and started
+-- more than :older_than seconds ago.
+DELETE FROM scheduler_plugin_runs
+WHERE id IN (SELECT id FROM scheduler_plugin_runs ORDER BY id LIMIT :limit)
+  AND status <> 'running'
+  AND julianday(started_at) < julianday('now') - :older_than / 86400.0
+RETURNING id
 
 -- name: purge_publications
 DELETE FROM scheduler_publications

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -262,12 +263,15 @@ class PluginRuns:
 
     async def _finish(self, store: PluginStore, ended: Sequence[Ended]) -> list[FinishedSchedule]:
         """Results written, and history trimmed every so many runs per schedule, never
-        per run: it stays between `history` and `history` + that many rows."""
+        per run: it stays between `history` and `history` + that many rows. Each schedule
+        trims at its own phase of that cycle (a hash of its name): schedules created
+        together, whose run counts move in step, would otherwise all trim in the same
+        second (10,000 of them, a million rows at once)."""
         keep = self.settings.plugin.history
         every = max(1, min(100, keep))
         limit = self.settings.plugin.max_consecutive_failures
         finished = await store.finish([e.result for e in ended], limit)
-        trim = [f.name for f in finished if f.run_count % every == 0]
+        trim = [f.name for f in finished if (f.run_count + _phase(f.name)) % every == 0]
         if trim:
             await store.trim(trim, keep)
         return finished
@@ -364,3 +368,8 @@ class PluginRuns:
                 proven_recently=hold.proven_recently,
                 grace=self.settings.lock.stop_grace,
             )
+
+
+def _phase(name: str) -> int:
+    """A schedule's fixed offset in its trimming cycle: the same in every process."""
+    return zlib.crc32(name.encode())

@@ -147,7 +147,7 @@ def replica_env(
         "SCHEDULER_PUBLISH__NOTIFY__CHANNEL": NOTIFY_CHANNEL,
         "SCHEDULER_PLUGIN__INTERVAL": "0.2",
         "SCHEDULER_PLUGIN__TASKS": json.dumps(tasks(shards, extra_tasks)),
-        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
+        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications", "purge_runs"]',
         # Every run row stays for the checker (the default keeps the last 1,000 per task).
         "SCHEDULER_PLUGIN__HISTORY": "1000000",
         "EFFECTS_PUBLISH_SECONDS": "0.02",

@@ -88,7 +88,7 @@ def effects_replica_env(
         **timings,
         "SCHEDULER_PLUGIN__INTERVAL": "0.1",
         "SCHEDULER_PLUGIN__TASKS": json.dumps(tasks),
-        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications"]',
+        "SCHEDULER_PLUGIN__DISABLED": '["purge_publications", "purge_runs"]',
         **effects_env(log, seconds),
         **extra,
     }
