@@ -23,6 +23,7 @@ BENCHMARKS = [
     "growth",
     "scale",
     "shards",
+    "sustained",
 ]
 
 parser = argparse.ArgumentParser(prog="python -m bench")

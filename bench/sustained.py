@@ -318,10 +318,11 @@ def fmt_mb(value: float | None) -> str:
 
 def report(results: dict[str, Any]) -> str:
     lines = [
-        "# Sustained load",
+        f"# Sustained load ({results['date']}, {results['machine']})",
         "",
-        f"{results['machine']}, {results['date']}, code {results['code']['commit']}.",
-        "Written by `python -m bench.sustained` (bench/sustained.py says how it measures).",
+        f"Code {results['code']['commit'][:12]}; written by `python -m bench.sustained` "
+        "(bench/sustained.py says how it measures). Lateness is the target's own: the wall "
+        "clock as it was called, minus its slot.",
         "",
     ]
     for result in results["cases"]:
@@ -365,6 +366,46 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plots(results: dict[str, Any], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (rate, size) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for result in results["cases"]:
+        rows = result["by_minute"]
+        minutes = [r["minute"] for r in rows]
+        rate.plot(minutes, [r["runs_per_second"] for r in rows], label=f"{result['case']} runs/s")
+        samples = result["samples"]
+        ts = [s["t"] / 60 for s in samples]
+        for table in TABLES:
+            short = table.removeprefix("scheduler_plugin_")
+            size.plot(
+                ts,
+                [s["tables"][table]["total_bytes"] / 2**20 for s in samples],
+                label=f"{result['case']}: {short}",
+            )
+        rate.axvline(result["killed_at_s"] / 60, color="grey", linestyle=":", linewidth=1)
+    rate.set_xlabel("minute")
+    rate.set_ylabel("runs per second (target: 1,000)")
+    rate.set_ylim(bottom=0)
+    rate.set_title("runs/s each minute (dotted: leader SIGKILLed)")
+    rate.grid(True, alpha=0.3)
+    rate.legend(fontsize=8)
+    size.set_xlabel("minute")
+    size.set_ylabel("MB, with indexes")
+    size.set_yscale("log")
+    size.set_title("table sizes")
+    size.grid(True, alpha=0.3)
+    size.legend(fontsize=8)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / "sustained_load.png", dpi=110)
+    plt.close(fig)
+    return ["sustained_load.png"]
+
+
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:+.0%}"
 
@@ -399,6 +440,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({"case": label, "verdict": result["verdict"]}), flush=True)
     results = {"code": code_version(), "env": args.env, "cases": cases}
     save_results("sustained", results, report, args.out)
+    plots(results, args.out)
 
 
 if __name__ == "__main__":

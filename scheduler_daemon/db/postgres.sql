@@ -866,8 +866,8 @@ WHERE p.name = old.name AND p.slot <= old.cutoff AND p.status <> 'running'
 -- lowest ids, of which those old enough and finished go. Ids grow with started_at (both
 -- are set by the claim), so the oldest rows are the lowest ids: this reads :limit entries
 -- of the primary key and no more, whether or not there is anything to delete (a filter on
--- started_at would scan the whole history to find nothing). A batch that deleted fewer
--- than :limit reached rows too young (or still running): the purge is done for now.
+-- started_at would scan the whole history to find nothing). A batch that deleted nothing
+-- reached rows too young: the purge is done for now.
 WITH oldest AS (
     SELECT id, started_at, status FROM scheduler_plugin_runs ORDER BY id LIMIT :limit
 )
