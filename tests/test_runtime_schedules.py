@@ -537,6 +537,42 @@ async def test_cli_add_show_list_remove(database_url: str) -> None:
     )
 
 
+async def test_cli_lists_tasks_a_page_at_a_time_and_says_how_many(database_url: str) -> None:
+    """`tasks list --limit N` prints N tasks in name order and the --after that gives the
+    next page; every listing ends with how many tasks there are; --json is one array
+    (read and printed a page at a time, LIST_PAGE rows each)."""
+    await declare_runnable(database_url, TICK)
+    names = [f"page-{i}" for i in range(5)]
+    async with client_for(database_url) as client:
+        for name in names:
+            await client.add_schedule(name, target=TICK, every=3600)
+
+    def run(*args: str) -> str:
+        code, out, err = cli(database_url, "tasks", "list", *args)
+        assert code == 0, err
+        return out
+
+    def listed(out: str) -> list[str]:
+        return [line.split()[0] for line in out.splitlines()[1:-1]]
+
+    first = await asyncio.to_thread(run, "--limit", "2")
+    assert listed(first) == names[:2]
+    assert first.splitlines()[-1] == "2 of 5 tasks; the next: --after page-1"
+    second = await asyncio.to_thread(run, "--limit", "2", "--after", "page-1")
+    assert listed(second) == names[2:4]
+    last = await asyncio.to_thread(run, "--limit", "2", "--after", "page-3")
+    assert listed(last) == names[4:]
+    assert last.splitlines()[-1] == "1 of 5 tasks"  # no next page
+    everything = await asyncio.to_thread(run)
+    assert listed(everything) == names
+    assert everything.splitlines()[-1] == "5 tasks"
+
+    as_json = json.loads(await asyncio.to_thread(run, "--json", "--after", "page-2"))
+    assert [row["name"] for row in as_json] == names[3:]
+    assert json.loads(await asyncio.to_thread(run, "--json", "--after", "page-4")) == []
+    assert [row["name"] for row in json.loads(await asyncio.to_thread(run, "--json"))] == names
+
+
 async def test_cli_refuses_an_undeclared_target(sqlite_url: str) -> None:
     code, out, err = await asyncio.to_thread(
         cli, sqlite_url, "tasks", "add", "x", "--every", "1m", "--target", "subprocess:run"

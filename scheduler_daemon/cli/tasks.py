@@ -5,6 +5,8 @@ trigger any task.
 from __future__ import annotations
 
 import json
+import shlex
+import textwrap
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -15,7 +17,7 @@ from ..client.rules import MAX_PAYLOAD_DEPTH
 from ..db import AddedSchedule, ScheduleRecord
 from ..db.schedules import ScheduleStore
 from ..errors import InvalidInput, NotFound
-from ..output import dumps, json_row, json_rows
+from ..output import dumps, json_row
 from .common import (
     _client,
     _database_now,
@@ -30,6 +32,10 @@ from .common import (
     parse_when,
 )
 
+# `tasks list` reads this many rows a transaction: memory and the first line's wait stay
+# small however many tasks there are.
+LIST_PAGE = 1000
+
 
 @click.group()
 def tasks() -> None:
@@ -39,28 +45,55 @@ def tasks() -> None:
 @tasks.command("list")
 @config_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (every column).")
+@click.option("--limit", type=click.IntRange(min=1), help="At most this many tasks (default: all).")
+@click.option("--after", callback=_text, help="Only tasks whose name sorts after this one.")
 @handles_errors
-def tasks_list(config_file: Path | None, as_json: bool) -> None:
-    """Each task: schedule, next run, last run and status, run count; a runtime
-    schedule's schedule also names its target."""
+def tasks_list(
+    config_file: Path | None, as_json: bool, limit: int | None, after: str | None
+) -> None:
+    """Each task, in name order: schedule, next run, last run and status, run count; a
+    runtime schedule's schedule also names its target. Printed as it is read, a page at a
+    time, so a million tasks start printing at once; the text ends with how many there
+    are (and, with --limit, the --after that gives the next page)."""
     settings = _settings(config_file)
-
-    async def main() -> list[ScheduleRecord]:
-        async with _client(settings) as client:
-            return await client.list_schedules()
-
-    rows = _run(main())
-    if as_json:
-        click.echo(dumps(json_rows(rows)))
-        return
     header = f"{'TASK':<28} {'STATE':<9} {'NEXT RUN':<26} {'LAST STATUS':<12} {'RUNS':>6}  SCHEDULE"
-    click.echo(header)
-    for row in rows:
-        state = "inactive" if not row.active else "paused" if row.paused else "active"
-        click.echo(
-            f"{row.name:<28} {state:<9} {_when(row.next_run_at):<26} "
-            f"{row.last_status or '-':<12} {row.run_count:>6}  {_schedule_text(row)}"
-        )
+
+    async def main() -> None:
+        async with _client(settings) as client:
+            shown, last, more = 0, after, True
+            click.echo("[" if as_json else header, nl=not as_json)
+            while more and (limit is None or shown < limit):
+                want = LIST_PAGE if limit is None else min(LIST_PAGE, limit - shown)
+                page = await client.list_schedules(after=last, limit=want)
+                for row in page:
+                    if as_json:
+                        comma = "," if shown else ""
+                        click.echo(
+                            f"{comma}\n" + textwrap.indent(dumps(json_row(row)), "  "), nl=False
+                        )
+                    else:
+                        click.echo(_task_line(row))
+                    shown += 1
+                more = len(page) == want
+                last = page[-1].name if page else last
+            if as_json:
+                click.echo("\n]" if shown else "]")
+                return
+            total = await client.count_schedules()
+            if limit is not None and more and last is not None:
+                click.echo(f"{shown:,} of {total:,} tasks; the next: --after {shlex.quote(last)}")
+            else:
+                click.echo(f"{shown:,} of {total:,} tasks" if after else f"{total:,} tasks")
+
+    _run(main())
+
+
+def _task_line(row: ScheduleRecord) -> str:
+    state = "inactive" if not row.active else "paused" if row.paused else "active"
+    return (
+        f"{row.name:<28} {state:<9} {_when(row.next_run_at):<26} "
+        f"{row.last_status or '-':<12} {row.run_count:>6}  {_schedule_text(row)}"
+    )
 
 
 def _schedule_text(row: ScheduleRecord) -> str:

@@ -112,10 +112,20 @@ class Client:
         async with self.store.transaction(readonly=True) as tx:
             return await ScheduleStore(tx).get(name)
 
-    async def list_schedules(self) -> list[ScheduleRecord]:
-        """Every runtime schedule and declared task, by name."""
+    async def list_schedules(
+        self, *, after: str | None = None, limit: int | None = None
+    ) -> list[ScheduleRecord]:
+        """Runtime schedules and declared tasks in name order: those after ``after``
+        (None: from the first), at most ``limit`` (None: all of them). A page costs its
+        own rows: to go through a million, ask for pages, each ``after`` the last name of
+        the one before."""
         async with self.store.transaction(readonly=True) as tx:
-            return await ScheduleStore(tx).list_all()
+            return await ScheduleStore(tx).list_page(after, limit)
+
+    async def count_schedules(self) -> int:
+        """How many runtime schedules and declared tasks there are."""
+        async with self.store.transaction(readonly=True) as tx:
+            return await ScheduleStore(tx).count()
 
     async def pause_schedule(self, name: str) -> ScheduleRecord:
         """Stop running its slots (a run in flight finishes), as ``tasks pause``."""

@@ -1070,11 +1070,20 @@ SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
 FROM scheduler_plugin_tasks WHERE name = :name
 
 -- name: schedules_list
+-- A page in name order, after :after (NULL: from the first), at most :limit (NULL: all):
+-- the primary key's order, so a page costs its own rows, however many schedules there
+-- are (`tasks list` reads a million a page at a time, never with OFFSET).
 SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
        timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
        trigger_requested_at, consecutive_failures, last_slot, last_started_at,
        last_finished_at, last_status, last_error, run_count, created_at, updated_at
-FROM scheduler_plugin_tasks ORDER BY name
+FROM scheduler_plugin_tasks
+WHERE :after::text IS NULL OR name > :after::text
+ORDER BY name
+LIMIT :limit
+
+-- name: schedules_count
+SELECT count(*) AS n FROM scheduler_plugin_tasks
 
 -- name: dashboard_schedules
 -- The dashboard's schedules page: one page in name order of the schedules whose name

@@ -145,8 +145,15 @@ class ScheduleStore:
         rows = await self.tx.query("schedule_get", name=name)
         return schedule_record(rows[0]) if rows else None
 
-    async def list_all(self) -> list[ScheduleRecord]:
-        return [schedule_record(row) for row in await self.tx.query("schedules_list")]
+    async def list_page(self, after: str | None, limit: int | None) -> list[ScheduleRecord]:
+        """Schedules in name order after ``after`` (None: from the first), at most
+        ``limit`` (None: all)."""
+        rows = await self.tx.query("schedules_list", after=after, limit=limit)
+        return [schedule_record(row) for row in rows]
+
+    async def count(self) -> int:
+        [row] = await self.tx.query("schedules_count")
+        return int(row["n"])
 
     async def pause(self, name: str) -> bool:
         """Pause the schedule (runtime or declared) named so; False if there is none."""

@@ -458,11 +458,18 @@ SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
 FROM scheduler_plugin_tasks WHERE name = :name
 
 -- name: schedules_list
+-- As in postgres.sql (a NULL :limit is no limit: LIMIT -1).
 SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
        timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
        trigger_requested_at, consecutive_failures, last_slot, last_started_at,
        last_finished_at, last_status, last_error, run_count, created_at, updated_at
-FROM scheduler_plugin_tasks ORDER BY name
+FROM scheduler_plugin_tasks
+WHERE :after IS NULL OR name > :after
+ORDER BY name
+LIMIT coalesce(:limit, -1)
+
+-- name: schedules_count
+SELECT count(*) AS n FROM scheduler_plugin_tasks
 
 -- name: dashboard_schedules
 -- As in postgres.sql.
