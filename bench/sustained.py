@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
         sizes = Sizes(sizes.tasks, args.minutes, sizes.prefill)
     if args.tasks:
         sizes = Sizes(args.tasks, sizes.minutes, sizes.prefill)
-    workdir = args.out / "sustained-work"
+    workdir = RESULTS / ".work" / "sustained"  # logs and stamps: not committed
     with ExitStack() as stack:
         admin = admin_dsn(stack, {"shared_preload_libraries": "pg_stat_statements"})
         cases = []

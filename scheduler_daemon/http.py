@@ -287,6 +287,10 @@ class HttpServer:
             readiness.set_result(answer)
             if tables and answer.schema_version is not None:  # answered, and migrated
                 await self._read_tables(store)
+        except Exception as exc:
+            if not readiness.done():
+                readiness.set_exception(exc)  # a bug in the probe: its waiters see it too
+            raise
         finally:
             if not readiness.done():  # cancelled (stop): its waiters are too
                 readiness.cancel()

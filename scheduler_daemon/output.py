@@ -57,7 +57,8 @@ def dumps(value: Any) -> str:
 
 
 def human_size(count: int) -> str:
-    """Bytes as PostgreSQL's pg_size_pretty writes them, to one decimal: 24.9 MB."""
+    """Bytes in the units pg_size_pretty uses (bytes, kB, MB, GB, TB), to one decimal:
+    24.9 MB."""
     if count < 1024:
         return f"{count} bytes"
     value = float(count)

@@ -826,13 +826,15 @@ async def test_purge_runs_deletes_history_older_than_its_max_age(database_url: s
     assert state["schedule"] == "every 60s"
 
 
-async def test_purge_runs_in_batches_stops_at_the_first_young_run(
+async def test_purge_runs_goes_on_in_batches_past_what_it_keeps_and_stops_at_young_runs(
     database_url: str, db: Db
 ) -> None:
+    """A young run at the lowest id (one still going among the oldest would sit there the
+    same way) is in every batch's window: the purge keeps it and goes on, batch after
+    batch, through 2,500 old runs; it stops at the 10 young ones after them."""
     old = datetime.now(UTC) - timedelta(days=30)
     young = datetime.now(UTC) - timedelta(hours=1)
-    for first, when in ((1, old), (2501, young)):  # 2,500 old runs, then 10 young ones
-        count = 2500 if when is old else 10
+    for first, when, count in ((0, young, 1), (1, old, 2500), (2501, young, 10)):
         if db.backend == "postgres":
             await db.fetch(
                 "INSERT INTO scheduler_plugin_runs (name, slot, instance, started_at, status) "
@@ -854,8 +856,10 @@ async def test_purge_runs_in_batches_stops_at_the_first_young_run(
             )
     async with running(database_url, [], plugin={"disabled": ["purge_publications"]}):
         await at_least(db, "purge_runs", "succeeded", 1)
-    rows = await db.fetch("SELECT count(*) AS n FROM scheduler_plugin_runs WHERE instance = 'old'")
-    assert rows == [{"n": 10}]
+    rows = await db.fetch(
+        "SELECT name FROM scheduler_plugin_runs WHERE instance = 'old' ORDER BY id"
+    )
+    assert [row["name"] for row in rows] == ["r0", *(f"r{i}" for i in range(2501, 2511))]
 
 
 @pytest.mark.processes

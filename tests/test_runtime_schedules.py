@@ -563,6 +563,9 @@ async def test_cli_lists_tasks_a_page_at_a_time_and_says_how_many(database_url: 
     last = await asyncio.to_thread(run, "--limit", "2", "--after", "page-3")
     assert listed(last) == names[4:]
     assert last.splitlines()[-1] == "1 of 5 tasks"  # no next page
+    exact = await asyncio.to_thread(run, "--limit", "5")  # exactly what is left: no next
+    assert listed(exact) == names
+    assert exact.splitlines()[-1] == "5 tasks"
     everything = await asyncio.to_thread(run)
     assert listed(everything) == names
     assert everything.splitlines()[-1] == "5 tasks"

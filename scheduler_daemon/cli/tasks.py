@@ -64,23 +64,23 @@ def tasks_list(
             click.echo("[" if as_json else header, nl=not as_json)
             while more and (limit is None or shown < limit):
                 want = LIST_PAGE if limit is None else min(LIST_PAGE, limit - shown)
-                page = await client.list_schedules(after=last, limit=want)
-                for row in page:
+                # One row more than is printed: whether another page follows.
+                page = await client.list_schedules(after=last, limit=want + 1)
+                more = len(page) > want
+                for row in page[:want]:
                     if as_json:
                         comma = "," if shown else ""
-                        click.echo(
-                            f"{comma}\n" + textwrap.indent(dumps(json_row(row)), "  "), nl=False
-                        )
+                        text = textwrap.indent(dumps(json_row(row)), "  ")
+                        click.echo(f"{comma}\n{text}", nl=False)
                     else:
                         click.echo(_task_line(row))
                     shown += 1
-                more = len(page) == want
-                last = page[-1].name if page else last
+                    last = row.name
             if as_json:
                 click.echo("\n]" if shown else "]")
                 return
             total = await client.count_schedules()
-            if limit is not None and more and last is not None:
+            if more and last is not None:
                 click.echo(f"{shown:,} of {total:,} tasks; the next: --after {shlex.quote(last)}")
             else:
                 click.echo(f"{shown:,} of {total:,} tasks" if after else f"{total:,} tasks")

@@ -248,9 +248,9 @@ class PluginStore:
         ]
 
     async def purge(self, *, older_than: float, limit: int) -> int:
-        """Delete up to ``limit`` finished runs that started more than ``older_than``
-        seconds ago, oldest first; return how many went (fewer than ``limit``: no more
-        are old enough)."""
+        """Of the ``limit`` oldest runs (lowest ids), delete those finished that started
+        more than ``older_than`` seconds ago; return how many went (0: none of the oldest
+        is old enough, the purge is done)."""
         rows = await self.tx.query("purge_runs", older_than=older_than, limit=limit)
         return len(rows)
 

@@ -46,14 +46,15 @@ SELECT pg_notify('scheduler_publications_due', ''),
 
 -- name: missing_grants
 -- Checked by `run` and `preflight` after migrating (privileges.py): of the grants asked for
--- (kind $1[i], 'table' or 'sequence'; object $2[i]; privilege $3[i]), those the current
--- role lacks. An object that does not exist counts as lacking (to_regclass gives NULL),
--- which cannot happen after migrating.
+-- (kind $1[i], 'table', 'sequence' or 'procedure'; object $2[i], a procedure by its
+-- signature; privilege $3[i]), those the current role lacks. An object that does not
+-- exist counts as lacking (to_regclass gives NULL), which cannot happen after migrating.
 SELECT r.kind, r.name, r.privilege, quote_ident(current_user) AS role
 FROM unnest($1::text[], $2::text[], $3::text[]) AS r(kind, name, privilege)
 WHERE NOT coalesce(CASE r.kind
     WHEN 'table' THEN has_table_privilege(to_regclass(r.name), r.privilege)
     WHEN 'sequence' THEN has_sequence_privilege(to_regclass(r.name), r.privilege)
+    WHEN 'procedure' THEN has_function_privilege(to_regprocedure(r.name), r.privilege)
 END, false)
 ORDER BY r.kind DESC, r.name, r.privilege
 
@@ -159,8 +160,11 @@ sizes AS (
 holders AS (
     SELECT 'session' AS kind, a.application_name AS name, a.state, a.pid AS backend_pid,
            greatest(age(a.backend_xmin), age(a.backend_xid)) AS xmin_age,
-           extract(epoch FROM now() - coalesce(a.xact_start, a.query_start))::float8
-               AS held_for
+           -- A walsender's xmin (hot_standby_feedback) has no start of its own: its
+           -- query_start is when replication began, not when this xmin was taken.
+           CASE WHEN a.backend_type = 'walsender' THEN NULL
+                ELSE extract(epoch FROM now() - coalesce(a.xact_start, a.query_start))::float8
+           END AS held_for
     FROM pg_stat_activity a
     WHERE (a.datname = current_database() OR a.backend_type = 'walsender')
       AND a.pid <> pg_backend_pid()
@@ -1078,7 +1082,7 @@ SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
        trigger_requested_at, consecutive_failures, last_slot, last_started_at,
        last_finished_at, last_status, last_error, run_count, created_at, updated_at
 FROM scheduler_plugin_tasks
-WHERE :after::text IS NULL OR name > :after::text
+WHERE name > coalesce(:after::text, '')  -- a range of the index: no name is empty
 ORDER BY name
 LIMIT :limit
 

@@ -10,6 +10,8 @@ What is needed follows from the SQL the loops run (db/postgres.sql), per enabled
 docs/security.md lists the same grants (its tests run them verbatim). Advisory locks,
 LISTEN/NOTIFY, ``pg_locks``, ``application_name`` in ``pg_stat_activity`` and the settings
 the lock sessions make for themselves (``idle_session_timeout``, keepalives, …) need none.
+A session-mode standby waits through the procedure ``scheduler_wait_for_lock`` (migration
+0010): PUBLIC may EXECUTE it unless an operator revoked that, so it is checked too.
 """
 
 from __future__ import annotations
@@ -24,10 +26,16 @@ from .sqlfiles import queries
 
 QUERIES = queries("postgres")
 
-# (kind, object) -> privileges; kind is "table" or "sequence".
+# (kind, object) -> privileges; kind is "table", "sequence" or "procedure" (its signature).
 Grants = dict[tuple[str, str], set[str]]
 
-_ORDER = ("SELECT", "INSERT", "UPDATE", "DELETE", "USAGE")
+_ORDER = ("SELECT", "INSERT", "UPDATE", "DELETE", "USAGE", "EXECUTE")
+
+# The standby's wait and a sharded member's watch (db/postgres.sql lock_wait, shard_watch).
+WAIT_PROCEDURES = (
+    "scheduler_wait_for_lock(bigint, integer)",
+    "scheduler_wait_for_lock(integer, integer, integer)",
+)
 
 
 def required_grants(loops: Collection[str], *, session: bool, webhook: bool, purge: bool) -> Grants:
@@ -41,6 +49,9 @@ def required_grants(loops: Collection[str], *, session: bool, webhook: bool, pur
     # Every command reads the schema version; `status` and /status the backlog.
     grant("scheduler_schema_version", "SELECT")
     grant("scheduler_publications", "SELECT")
+    if loops and session:
+        for procedure in WAIT_PROCEDURES:
+            grant(procedure, "EXECUTE", kind="procedure")
     for loop in loops:
         # Taking leadership: the leaders row is upserted (and deleted by a graceful
         # release of a session lock), and the loop's fencing token drawn and recorded.
@@ -67,7 +78,7 @@ def grant_statement(kind: str, name: str, privileges: Collection[str], role: str
     block). Object names are the daemon's own; the role comes quoted by the server
     (``quote_ident`` in missing_grants)."""
     ordered = ", ".join(sorted(privileges, key=_ORDER.index))
-    on = f"SEQUENCE {name}" if kind == "sequence" else name
+    on = {"sequence": f"SEQUENCE {name}", "procedure": f"PROCEDURE {name}"}.get(kind, name)
     return f"GRANT {ordered} ON {on} TO {role}"
 
 

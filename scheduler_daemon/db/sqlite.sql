@@ -464,7 +464,7 @@ SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
        trigger_requested_at, consecutive_failures, last_slot, last_started_at,
        last_finished_at, last_status, last_error, run_count, created_at, updated_at
 FROM scheduler_plugin_tasks
-WHERE :after IS NULL OR name > :after
+WHERE name > coalesce(:after, '')
 ORDER BY name
 LIMIT coalesce(:limit, -1)
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -42,6 +41,7 @@ from ..leadership import Lease, PendingHold
 from ..logs import Logger
 from ..metrics import Metrics
 from ..plugins.context import TaskContext
+from ..plugins.schedule import name_hash
 from ..plugins.tasks import TaskSpec
 from ..plugins.worker_process import WorkerJob
 from ..plugins.workers import WorkerFailed, Workers
@@ -271,7 +271,7 @@ class PluginRuns:
         every = max(1, min(100, keep))
         limit = self.settings.plugin.max_consecutive_failures
         finished = await store.finish([e.result for e in ended], limit)
-        trim = [f.name for f in finished if (f.run_count + _phase(f.name)) % every == 0]
+        trim = [f.name for f in finished if (f.run_count + name_hash(f.name)) % every == 0]
         if trim:
             await store.trim(trim, keep)
         return finished
@@ -368,8 +368,3 @@ class PluginRuns:
                 proven_recently=hold.proven_recently,
                 grace=self.settings.lock.stop_grace,
             )
-
-
-def _phase(name: str) -> int:
-    """A schedule's fixed offset in its trimming cycle: the same in every process."""
-    return zlib.crc32(name.encode())

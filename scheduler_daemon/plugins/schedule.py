@@ -105,13 +105,19 @@ def _repeated_wall_time(local: datetime, tz: ZoneInfo) -> bool:
     return first.astimezone(UTC) < local.astimezone(UTC)
 
 
+def name_hash(name: str) -> int:
+    """A schedule's name as a 64-bit number, the same in every process and release: what
+    spreads schedules that are alike (their jitter, their history trims) over a range."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+
+
 def jitter_offset(name: str, jitter: float) -> timedelta:
     """A schedule's own offset in ``[0, jitter)``: from a hash of its name, so it is the
     same on every replica and across restarts, and thousands of schedules on one period
     spread over the jitter instead of all firing at one instant."""
     if jitter <= 0:
         return timedelta(0)
-    fraction = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") / 2**64
+    fraction = name_hash(name) / 2**64
     return timedelta(microseconds=int(fraction * jitter * 1_000_000))
 
 

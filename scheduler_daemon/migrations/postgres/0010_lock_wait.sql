@@ -11,15 +11,21 @@
 -- These procedures wait in slices: each slice is a transaction of its own that waits up
 -- to `slice_ms` for the lock (lock_timeout, set for that transaction alone), and the
 -- COMMIT between slices lets the snapshot go. The wait is still a wait (granted the moment
--- the holder's session ends, in the server's queue order), the horizon is never held
--- longer than a slice, and a slice that times out is caught here, so the server logs no
--- error for it. CALL them outside a transaction block, with statement_timeout off.
+-- the holder's session ends) and the horizon is never held longer than a slice. What it
+-- gives up is the queue's order: each slice queues its standby again, behind the others.
+-- A slice that times out is caught here, so the server logs no error for it; and a slice
+-- is kept under deadlock_timeout, so that with log_lock_waits on the server logs no
+-- "still waiting" line for it either. CALL them outside a transaction block, with
+-- statement_timeout off.
 
 CREATE PROCEDURE scheduler_wait_for_lock(key bigint, slice_ms integer)
 LANGUAGE plpgsql AS $$
+DECLARE
+    slice integer := least(slice_ms, greatest(1, (
+        SELECT setting::integer * 9 / 10 FROM pg_settings WHERE name = 'deadlock_timeout')));
 BEGIN
     LOOP
-        PERFORM set_config('lock_timeout', slice_ms::text, true);
+        PERFORM set_config('lock_timeout', slice::text, true);
         BEGIN
             PERFORM pg_advisory_lock(key);
             RETURN;
@@ -33,9 +39,12 @@ END $$;
 -- The same for a key of the two-int space (a sharded member's lock).
 CREATE PROCEDURE scheduler_wait_for_lock(class integer, objid integer, slice_ms integer)
 LANGUAGE plpgsql AS $$
+DECLARE
+    slice integer := least(slice_ms, greatest(1, (
+        SELECT setting::integer * 9 / 10 FROM pg_settings WHERE name = 'deadlock_timeout')));
 BEGIN
     LOOP
-        PERFORM set_config('lock_timeout', slice_ms::text, true);
+        PERFORM set_config('lock_timeout', slice::text, true);
         BEGIN
             PERFORM pg_advisory_lock(class, objid);
             RETURN;
