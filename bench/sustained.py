@@ -41,6 +41,7 @@ import asyncpg
 from bench.common import RESULTS, admin_dsn, percentile, save_results
 from bench.growth import code_version, fmt_s
 from bench.scale import PERIOD, Leader
+from scheduler_daemon.plugins.schedule import name_hash
 
 STAMP = "growth_tasks:stamp"
 SAMPLE = 10.0  # s between two looks at the tables and the replicas
@@ -50,6 +51,7 @@ LATENESS_P99_TARGET = 0.1  # s
 RUNS_TARGET = 0.99  # of what is needed, every minute but the failover's
 SIZE_DRIFT_TARGET = 0.10  # tables within 10% of their size after the first minute
 DB = "bench_sustained"
+TRIM_EVERY = 100  # min(100, plugin.history): how often a schedule's history is trimmed
 
 
 @dataclass(frozen=True)
@@ -104,21 +106,25 @@ ORDER BY total_exec_time DESC LIMIT 12
 
 
 async def prefill(conn: asyncpg.Connection, per_schedule: int) -> float:
-    """Finished runs for every schedule, one per period back from now, as a database that
-    ran at this rate for per_schedule periods holds them; then VACUUM ANALYZE, as
+    """Finished runs for every schedule, one per period back from now, as many as the
+    default retention keeps at steady state after `per_schedule` runs: `per_schedule`
+    (plugin.history), plus those run since the schedule's last trim, which it makes every
+    TRIM_EVERY runs at its own phase (loops/plugin_runs.py); then VACUUM ANALYZE, as
     autovacuum would have left it. Returns the seconds it took."""
     started = time.monotonic()
     names = [r["name"] for r in await conn.fetch("SELECT name FROM scheduler_plugin_tasks")]
+    kept = [per_schedule + (per_schedule + name_hash(n)) % TRIM_EVERY for n in names]
     for chunk in range(0, len(names), 500):
         await conn.execute(
             "INSERT INTO scheduler_plugin_runs "
             "(name, slot, instance, started_at, finished_at, status) "
             "SELECT n, s, 'prefill', s, s + interval '1 millisecond', 'succeeded' "
-            "FROM unnest($1::text[]) AS n, LATERAL (SELECT date_trunc('second', now()) "
+            "FROM unnest($1::text[], $2::int[]) AS t(n, kept), "
+            "LATERAL (SELECT date_trunc('second', now()) "
             "  - make_interval(secs => k * $3::float8) AS s "
-            "  FROM generate_series(1, $2::int) AS k) slots",
+            "  FROM generate_series(1, t.kept) AS k) slots",
             names[chunk : chunk + 500],
-            per_schedule,
+            kept[chunk : chunk + 500],
             PERIOD,
         )
     # Their counts, as such a history leaves them (the trim of plugin.history keys off it).
@@ -216,6 +222,7 @@ async def case(
     for old in stamps_dir.glob("*.stamps"):
         old.unlink()
     prefill_s: list[float] = []
+    code = code_version()  # the replicas import the work tree as it is when they start
 
     async def prepare(conn: asyncpg.Connection) -> None:
         if label == "prefilled":
@@ -267,6 +274,7 @@ async def case(
             row["rss_mb_max"] = max(alive) if alive else None
     return {
         "case": label,
+        "code": code,
         "tasks": sizes.tasks,
         "minutes": sizes.minutes,
         "prefill_per_schedule": sizes.prefill if label == "prefilled" else 0,
@@ -296,12 +304,20 @@ def verdict(result: dict[str, Any]) -> dict[str, Any]:
         for r in rows
         if r["lateness_p99_s"] is None or r["lateness_p99_s"] >= LATENESS_P99_TARGET
     ]
-    by_minute = result["by_minute"]
+    # "Within 10% of their size after the first minute": from the first look at or after
+    # 60 s (the first autovacuum has come by then) to the last.
+    samples = result["samples"]
+    after = next((s for s in samples if s["t"] >= 60), samples[0])
     drift = {}
-    for short in ("tasks", "runs"):
-        first, last = by_minute[0].get(f"{short}_mb"), by_minute[-1].get(f"{short}_mb")
-        drift[short] = None if not first or last is None else last / first - 1
+    sizes = {}
+    for table in TABLES:
+        short = table.removeprefix("scheduler_plugin_")
+        first = after["tables"][table]["total_bytes"]
+        last = samples[-1]["tables"][table]["total_bytes"]
+        drift[short] = last / first - 1 if first else None
+        sizes[short] = (first / 2**20, last / 2**20)
     return {
+        "sizes_mb": sizes,
         "minutes_below_rate": slow,
         "minutes_late": late,
         "size_drift": drift,
@@ -320,7 +336,7 @@ def report(results: dict[str, Any]) -> str:
     lines = [
         f"# Sustained load ({results['date']}, {results['machine']})",
         "",
-        f"Code {results['code']['commit'][:12]}; written by `python -m bench.sustained` "
+        "Written by `python -m bench.sustained` "
         "(bench/sustained.py says how it measures). Lateness is the target's own: the wall "
         "clock as it was called, minus its slot.",
         "",
@@ -337,8 +353,9 @@ def report(results: dict[str, Any]) -> str:
             f"duplicates: {result['duplicates']}",
             f"- target met: {'yes' if v['met'] else 'no'} (minutes below 99% of the rate: "
             f"{v['minutes_below_rate'] or 'none'}; minutes with p99 >= 100 ms: "
-            f"{v['minutes_late'] or 'none'}; size drift tasks "
-            f"{_pct(v['size_drift']['tasks'])}, runs {_pct(v['size_drift']['runs'])})",
+            f"{v['minutes_late'] or 'none'}; from the first look after a minute to the "
+            f"last, tasks {_sizes(v, 'tasks')}, runs {_sizes(v, 'runs')})",
+            f"- code: {_code(result.get('code') or results['code'])}",
             "",
             "| minute | runs/s | lateness p50 | p99 | max | slots not run | tasks MB "
             "| tasks dead | runs MB | runs dead | (auto)vacuums tasks | runs | RSS MB |",
@@ -406,6 +423,16 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
     return ["sustained_load.png"]
 
 
+def _sizes(verdict: dict[str, Any], short: str) -> str:
+    first, last = verdict["sizes_mb"][short]
+    return f"{first:.1f} -> {last:.1f} MB ({_pct(verdict['size_drift'][short])})"
+
+
+def _code(code: dict[str, Any]) -> str:
+    changed = code.get("changed") or []
+    return code["commit"][:12] + (f" with changes to {', '.join(changed)}" if changed else "")
+
+
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:+.0%}"
 
@@ -428,7 +455,8 @@ def main(argv: list[str] | None = None) -> None:
         sizes = Sizes(sizes.tasks, args.minutes, sizes.prefill)
     if args.tasks:
         sizes = Sizes(args.tasks, sizes.minutes, sizes.prefill)
-    workdir = RESULTS / ".work" / "sustained"  # logs and stamps: not committed
+    # Logs and stamps, not committed; a smoke run's apart (a case clears its stamps).
+    workdir = RESULTS / ".work" / ("sustained-quick" if args.quick else "sustained")
     with ExitStack() as stack:
         admin = admin_dsn(stack, {"shared_preload_libraries": "pg_stat_statements"})
         cases = []
