@@ -406,7 +406,7 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         rate.axvline(result["killed_at_s"] / 60, color="grey", linestyle=":", linewidth=1)
     rate.set_xlabel("minute")
     rate.set_ylabel("runs per second (target: 1,000)")
-    rate.set_ylim(bottom=0)
+    rate.set_ylim(0, 1100)
     rate.set_title("runs/s each minute (dotted: leader SIGKILLed)")
     rate.grid(True, alpha=0.3)
     rate.legend(fontsize=8)
