@@ -23,8 +23,9 @@ import aiohttp
 import asyncpg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from rig.databases import RIG_APP, run_sync
+from rig.databases import run_sync
 from rig.processes import Daemons, run_cli
+from rig.sql import execute
 from rig.waiting import until, wait_until
 
 from scheduler_daemon import http, status
@@ -62,15 +63,6 @@ async def held_snapshot(dsn: str) -> AsyncIterator[asyncpg.Connection]:
         await conn.close()
 
 
-async def admin(dsn: str, *statements: str) -> None:
-    conn = await asyncpg.connect(dsn, server_settings=RIG_APP)
-    try:
-        for statement in statements:
-            await conn.execute(statement)
-    finally:
-        await conn.close()
-
-
 def status_json(url: str) -> dict[str, Any]:
     result = run_cli(["status", "--json"], {"SCHEDULER_DATABASE_URL": url})
     assert result.returncode == 0, result.stderr
@@ -96,14 +88,12 @@ def test_status_shows_each_table_with_its_size_dead_rows_and_vacuums(pg_url: str
 
     # Rows that die show up as dead, until a VACUUM removes them (the test's, at its own
     # moment: autovacuum, which 200 dead rows would call, is off for this table here).
-    run_sync(
-        admin(
-            pg_url,
-            "ALTER TABLE scheduler_publications SET (autovacuum_enabled = off)",
-            "INSERT INTO scheduler_publications (payload, publish_at) "
-            "SELECT '{}', now() + interval '1 day' FROM generate_series(1, 300)",
-            "DELETE FROM scheduler_publications WHERE id % 3 <> 0",
-        )
+    execute(
+        pg_url,
+        "ALTER TABLE scheduler_publications SET (autovacuum_enabled = off)",
+        "INSERT INTO scheduler_publications (payload, publish_at) "
+        "SELECT '{}', now() + interval '1 day' FROM generate_series(1, 300)",
+        "DELETE FROM scheduler_publications WHERE id % 3 <> 0",
     )
     dead = wait_until(
         lambda: (lambda t: t if t["dead_rows"] >= 200 else None)(
@@ -115,7 +105,7 @@ def test_status_shows_each_table_with_its_size_dead_rows_and_vacuums(pg_url: str
     ratio = dead["dead_rows"] / (dead["dead_rows"] + 100)
     assert dead["dead_ratio"] == pytest.approx(ratio, abs=1e-4)  # to 4 places
 
-    run_sync(admin(pg_url, "VACUUM scheduler_publications"))
+    execute(pg_url, "VACUUM scheduler_publications")
     vacuumed = wait_until(
         lambda: (lambda t: t if t["last_vacuum"] is not None else None)(
             by_table(status_json(pg_url))["scheduler_publications"]

@@ -16,7 +16,7 @@ import re
 import asyncpg
 from rig.databases import RIG_APP, run_sync
 from rig.processes import Daemons, start_replicas
-from rig.sql import fetch
+from rig.sql import execute, fetch
 from rig.ticks import FAST_TIMINGS, PLUGIN_ONLY
 from rig.waiting import until, wait_until
 
@@ -25,16 +25,14 @@ REMOVABLE_WITHIN = 30.0
 NOT_YET = re.compile(r"(\d+) are dead but not yet removable")
 
 
-async def churn(dsn: str) -> None:
+def churn(dsn: str) -> None:
     """Dead row versions, made now: a row of a table of the test's own, updated 20 times."""
-    conn = await asyncpg.connect(dsn, server_settings=RIG_APP)
-    try:
-        await conn.execute("CREATE TABLE IF NOT EXISTS rig_churn (x int)")
-        await conn.execute("INSERT INTO rig_churn VALUES (0)")
-        for _ in range(20):
-            await conn.execute("UPDATE rig_churn SET x = x + 1")
-    finally:
-        await conn.close()
+    execute(
+        dsn,
+        "CREATE TABLE IF NOT EXISTS rig_churn (x int)",
+        "INSERT INTO rig_churn VALUES (0)",
+        *["UPDATE rig_churn SET x = x + 1"] * 20,
+    )
 
 
 async def not_yet_removable(dsn: str) -> int:
@@ -72,7 +70,7 @@ def replica_env(url: str, instance: str, **extra: str) -> dict[str, str]:
 
 
 def assert_vacuum_removes_what_dies_now(dsn: str) -> None:
-    run_sync(churn(dsn))
+    churn(dsn)
     left: list[int] = []
 
     def removable() -> bool:
@@ -117,7 +115,7 @@ def test_vacuum_is_held_back_by_a_plain_advisory_wait(pg_url: str) -> None:
                 ),
                 "the plain wait to queue",
             )
-            await churn(pg_url)
+            await asyncio.to_thread(churn, pg_url)
             await asyncio.sleep(1.5)  # past a slice: the daemon's wait would have let go
             left = await not_yet_removable(pg_url)
             await holder.execute("SELECT pg_advisory_unlock(7301)")
