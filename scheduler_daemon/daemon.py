@@ -346,6 +346,7 @@ class Daemon:
             session=self.settings.lock.mode == "session",
             webhook="webhook" in self.settings.publish.publishers,
             purge=any(task.name == "purge_publications" for task in self._tasks),
+            purge_runs=any(task.name == "purge_runs" for task in self._tasks),
         )
         async with store.pool.acquire() as conn:
             await refuse_missing_grants(conn, need, f"database {self.settings.database_url}")

@@ -81,7 +81,7 @@ class Unit:
     """One privilege on one object, as a GRANT in docs/security.md gives it."""
 
     privilege: str
-    kind: str  # DATABASE, SCHEMA, SEQUENCE or TABLE
+    kind: str  # DATABASE, SCHEMA, SEQUENCE, FUNCTION or TABLE
     name: str
 
     def __str__(self) -> str:
@@ -89,7 +89,7 @@ class Unit:
 
 
 _GRANT = re.compile(
-    r"GRANT (?P<privileges>[A-Z, ]+) ON (?:(?P<kind>DATABASE|SCHEMA|SEQUENCE|TABLE) )?"
+    r"GRANT (?P<privileges>[A-Z, ]+) ON (?:(?P<kind>DATABASE|SCHEMA|SEQUENCE|FUNCTION|TABLE) )?"
     r"(?P<objects>[\w, ]+?) TO \w+"
 )
 
@@ -173,14 +173,18 @@ def split(
 
 # -- the doc, the code and the SQL agree ------------------------------------------------
 
-ALL_FEATURES = required_grants(["publish", "plugin"], session=True, webhook=True, purge=True)
+ALL_FEATURES = required_grants(
+    ["publish", "plugin"], session=True, webhook=True, purge=True, purge_runs=True
+)
 
 
 def test_the_documented_grants_are_what_the_daemon_checks_for() -> None:
     """docs/security.md's runtime block grants exactly what `run` requires with every loop,
     publisher and built-in task enabled: no more (least privilege), no less."""
     documented = {
-        (u.kind.lower(), u.name, u.privilege) for u in DOC_UNITS if u.kind in ("TABLE", "SEQUENCE")
+        (u.kind.lower(), u.name, u.privilege)
+        for u in DOC_UNITS
+        if u.kind in ("TABLE", "SEQUENCE", "FUNCTION")
     }
     checked = {
         (kind, name, p) for (kind, name), ps in ALL_FEATURES.items() for p in ps
@@ -218,6 +222,9 @@ def privileges_used(sql: str) -> set[tuple[str, str, str]]:
         used.add(("procedure", "scheduler_wait_for_lock(bigint, integer)", "EXECUTE"))
     if "CALL scheduler_wait_for_lock($1, $2, $3)" in sql:  # a sharded member's watch
         used.add(("procedure", "scheduler_wait_for_lock(integer, integer, integer)", "EXECUTE"))
+    if "FROM scheduler_runs_maintain(" in sql:  # the history's upkeep: a function, not a table
+        used.discard(("table", "scheduler_runs_maintain", "SELECT"))
+        used.add(("function", "scheduler_runs_maintain", "EXECUTE"))
     if "scheduler_fencing_%s_seq" in sql:  # nextval() of the loop's own sequence
         used |= {
             ("sequence", f"scheduler_fencing_{loop}_seq", "USAGE") for loop in ("publish", "plugin")
@@ -243,14 +250,17 @@ def test_fewer_features_need_fewer_grants() -> None:
     outbox; only the purge task deletes publications; a loop not run here needs nothing."""
     assert (
         "DELETE"
-        not in required_grants(["publish"], session=False, webhook=False, purge=False)[
-            ("table", "scheduler_leaders")
-        ]
+        not in required_grants(
+            ["publish"], session=False, webhook=False, purge=False, purge_runs=False
+        )[("table", "scheduler_leaders")]
     )
-    plugin_only = required_grants(["plugin"], session=True, webhook=True, purge=False)
+    plugin_only = required_grants(
+        ["plugin"], session=True, webhook=True, purge=False, purge_runs=False
+    )
     assert ("table", "scheduler_webhook_outbox") not in plugin_only
     assert ("sequence", "scheduler_fencing_publish_seq") not in plugin_only
     assert "DELETE" not in plugin_only[("table", "scheduler_publications")]
+    assert ("function", "scheduler_runs_maintain") not in plugin_only
     assert grant_statement("sequence", "s", {"USAGE"}, "r") == "GRANT USAGE ON SEQUENCE s TO r"
 
 
@@ -281,8 +291,8 @@ def expected_phrases(unit: Unit, role: str, dbname: str) -> list[str]:
         return [f'permission denied for database "{dbname}"', "CONNECT privilege", role]
     if unit.kind == "SCHEMA":
         return [f"GRANT USAGE ON SCHEMA {unit.name} TO {role}"]
-    if unit.kind == "SEQUENCE":
-        return [f"GRANT USAGE ON SEQUENCE {unit.name} TO {role}"]
+    if unit.kind in ("SEQUENCE", "FUNCTION"):
+        return [f"GRANT {unit.privilege} ON {unit.kind} {unit.name} TO {role}"]
     return [f"GRANT {unit.privilege} ON {unit.name} TO {role}"]
 
 

@@ -37,7 +37,7 @@ from structlog.testing import capture_logs
 from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.daemon import Daemon
 from scheduler_daemon.logs import get_logger
-from scheduler_daemon.plugins.schedule import Cron
+from scheduler_daemon.plugins.schedule import Cron, name_hash
 
 TERMINAL = {"succeeded", "failed", "timed_out", "skipped_overlap", "abandoned"}
 
@@ -769,41 +769,58 @@ async def test_purge_publications_in_batches(database_url: str, db: Db) -> None:
     assert await db.fetch("SELECT count(*) AS n FROM scheduler_publications") == [{"n": 0}]
 
 
-async def test_history_is_trimmed_to_its_count_each_task_at_its_own_phase(
+async def test_history_is_trimmed_to_its_count_off_the_tick_each_task_at_its_own_phase(
     database_url: str, db: Db
 ) -> None:
-    """plugin.history = 4 trims a task's history every 4 runs, right after the result of
-    the run that reaches its phase, to its newest 4: it keeps 4 to 7 rows, and
-    (kept - 4 - run_count) mod 4 is its phase. Each task trims at its own phase (a hash
-    of its name), not when its run count is a multiple of 4: tasks made together, whose
-    counts move in step, would all trim in the same second."""
+    """plugin.history = 4: the built-in purge_runs trims, never the results' write. Its
+    first sweep plans each task's trim: a run count, the next multiple of 4 shifted by a
+    hash of the task's name (tasks made together, whose counts move in step, would
+    otherwise all trim in one sweep). A sweep after a task has reached it trims the task
+    to its newest 4 runs and plans the next."""
     names = [f"t{i}" for i in range(6)]
     tasks = [task(n, every="100ms", target="plugin_targets:tick") for n in names]
+    plugin = {"history": 4, "disabled": ["purge_publications"]}
+    async with running(database_url, tasks, plugin=plugin):
+        await at_least(db, "purge_runs", "succeeded", 1)  # its first slot: at start
+        planned = {n: (await db.task(n))["history_trim_at"] for n in names}
+        assert all(at is not None for at in planned.values()), planned
 
-    async def counts() -> dict[str, int]:
-        rows = await db.fetch("SELECT name, run_count FROM scheduler_plugin_tasks")
-        return {row["name"]: row["run_count"] for row in rows}
+        async def past_their_trims() -> bool:
+            counts = [(await db.task(n))["run_count"] for n in names]
+            return all(count >= planned[n] + 4 for n, count in zip(names, counts, strict=True))
 
-    async with running(database_url, tasks, plugin={"history": 4}):
+        await until(past_their_trims, "4 runs of every task past its planned trim", within=60)
+        await db.fetch("UPDATE scheduler_plugin_tasks SET paused = true WHERE name LIKE 't%'")
 
-        async def enough() -> bool:
-            seen = await counts()
-            return all(seen.get(n, 0) >= 12 for n in names)
+        async def settled() -> bool:
+            rows = await db.fetch(
+                "SELECT count(*) AS n FROM scheduler_plugin_runs WHERE status = 'running'"
+                " AND name LIKE 't%'"
+            )
+            return rows[0]["n"] == 0
 
-        await until(enough, "12 runs of every task", within=60)
-    # Stopped: every run has ended and its result (and trim) is written.
-    seen = await counts()
+        await until(settled, "no run of the paused tasks in flight", within=30)
+        assert len(await db.runs("t0")) > 4, "nothing trimmed on the tick's path"
+        code, _, err = await cli(database_url, "tasks", "trigger", "purge_runs")
+        assert code == 0, err
+        await at_least(db, "purge_runs", "succeeded", 2)
     kept = {n: len(await db.runs(n)) for n in names}
-    assert all(4 <= kept[n] <= 7 for n in names), kept
-    phases = {n: (kept[n] - 4 - seen[n]) % 4 for n in names}
-    assert len(set(phases.values())) > 1, phases
+    assert kept == dict.fromkeys(names, 4)
+    after = {n: await db.task(n) for n in names}
+    for n, row in after.items():
+        assert row["history_trim_at"] > row["run_count"], row
+        assert (row["history_trim_at"] + name_hash(n)) % 4 == 0, row
+    assert len({row["history_trim_at"] % 4 for row in after.values()}) > 1, after
 
 
 async def test_purge_runs_deletes_history_older_than_its_max_age(database_url: str, db: Db) -> None:
+    """On PostgreSQL these runs, older than the days the history's partitions were made
+    for, are in its default partition, where age goes row by row as on SQLite (whole
+    days: tests/test_runs_partitions.py)."""
     now = datetime.now(UTC)
     runs = {  # name: (status, started how long ago)
         "old-succeeded": ("succeeded", timedelta(days=8)),
-        "old-failed": ("failed", timedelta(hours=3)),
+        "old-failed": ("failed", timedelta(days=3)),
         # Left `running` by a leader that died: the new leader closes it (abandoned), and
         # then it is history like any other.
         "old-orphan": ("running", timedelta(days=9)),

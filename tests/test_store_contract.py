@@ -83,6 +83,8 @@ def test_both_backends_define_the_plugin_queries() -> None:
     plugin = {name for name in queries("postgres") if name.startswith("plugin_")}
     assert plugin == {name for name in queries("sqlite") if name.startswith("plugin_")}
     assert {"plugin_due", "plugin_claim", "plugin_finish", "plugin_trim"} <= plugin
+    assert "runs_maintain" in queries("postgres")
+    assert "runs_maintain" in queries("sqlite")
 
 
 async def test_due_is_oldest_first_and_limited(store: Store) -> None:
@@ -144,7 +146,7 @@ async def test_claim_is_compare_and_set_and_one_running_run_per_schedule(store: 
     # The slot itself can never be taken twice.
     async with store.transaction() as tx:
         await PluginStore(tx).finish(
-            [RunResult(claimed[0].id, "a", "succeeded", None, now)], max_failures=5
+            [RunResult(claimed[0].id, "a", claimed[0].slot, "succeeded", None, now)], max_failures=5
         )
     async with store.transaction() as tx:
         twice = await PluginStore(tx).claim(
@@ -205,7 +207,7 @@ async def test_finish_counts_failures_pauses_and_trims(store: Store) -> None:
                 "r1", [Claim("f", slot, slots[i + 1] if i < 4 else now, run_slot=slot)]
             )
             finished = await plugin.finish(
-                [RunResult(run.id, "f", "failed", "boom\x00" if i == 0 else "boom", now)],
+                [RunResult(run.id, "f", slot, "failed", "boom\x00" if i == 0 else "boom", now)],
                 max_failures=3,
             )
         assert finished[0].consecutive_failures == i + 1
@@ -214,7 +216,7 @@ async def test_finish_counts_failures_pauses_and_trims(store: Store) -> None:
         async with store.transaction() as tx:  # a paused schedule is claimed no more
             await tx.run("UPDATE scheduler_plugin_tasks SET paused = false")
     async with store.transaction() as tx:
-        await PluginStore(tx).trim(["f"], keep=2)
+        assert await PluginStore(tx).trim(["f"], keep=2) == 3
     kept = await rows(store, "SELECT slot FROM scheduler_plugin_runs ORDER BY slot")
     assert [r["slot"] for r in kept] == slots[-2:]
 
@@ -374,7 +376,7 @@ async def test_a_sharded_scope_keeps_to_its_shards_while_their_tokens_are_curren
             claimed = await scoped({0: 10, 1: 20}).claim("me", claims)
             assert claimed, "shard 0 claims"
             assert {c.name for c in claimed} == {n for n, s in shard_of.items() if s == 0}
-            results = [RunResult(c.id, c.name, "succeeded", None, now) for c in claimed]
+            results = [RunResult(c.id, c.name, c.slot, "succeeded", None, now) for c in claimed]
             assert await scoped({0: 11}).finish(results, 5) == [], "shard 0's token is 10"
             assert await scoped({0: 11}).abandon("gone", []) == []
             assert len(await scoped({0: 10}).finish(results, 5)) == len(results)

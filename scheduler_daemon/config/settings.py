@@ -181,7 +181,8 @@ class PluginSettings(Section):
     max_consecutive_failures: int = Field(default=5, ge=1, le=_PG_INT_MAX)
     # Run history kept in scheduler_plugin_runs: at most `history` rows per task, and none
     # older than `history_max_age` (by when it started), whichever keeps fewer. The built-in
-    # task purge_runs deletes by age; the count is trimmed as results are written.
+    # task purge_runs keeps both, off the tick (plugins/retention.py); on PostgreSQL the age
+    # goes by whole days (partitions), so up to a day more is kept.
     history: int = Field(default=1000, ge=1, le=_PG_INT_MAX)
     history_max_age: Duration = 7 * 86400.0
     # Load tasks from the entry-point group scheduler_daemon.plugins.

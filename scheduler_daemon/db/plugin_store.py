@@ -85,9 +85,24 @@ class ClaimedRun:
 class RunResult:
     id: int
     name: str
+    slot: datetime  # with the id, it finds the run in its day's partition (PostgreSQL)
     status: str
     error: str | None
     finished_at: datetime  # by the database's clock (see loops/plugin.py)
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryStep:
+    action: str  # created, dropped, emptied, moved, purged, blocked, busy, idle
+    target: str | None  # the table it acted on
+    rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class TrimState:
+    name: str
+    run_count: int
+    trim_at: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +246,7 @@ class PluginStore:
         payload = _json(
             {
                 "id": r.id,
+                "slot": r.slot,
                 "status": r.status,
                 "error": _storable(r.error),
                 "finished_at": r.finished_at,
@@ -247,13 +263,40 @@ class PluginStore:
             for row in rows
         ]
 
-    async def purge(self, *, older_than: float, limit: int) -> int:
-        """Of the ``limit`` oldest runs (lowest ids), delete those finished that started
-        more than ``older_than`` seconds ago; return how many went (0: none of the oldest
-        is old enough, the purge is done)."""
-        rows = await self.tx.query("purge_runs", older_than=older_than, limit=limit)
-        return len(rows)
+    async def maintain_history(
+        self, *, older_than: float, ahead_days: int, limit: int, lock_timeout: float
+    ) -> HistoryStep:
+        """One step of the run history's upkeep by age, in the caller's transaction: on
+        PostgreSQL the first of making a day's partition ahead, dropping a day older than
+        ``older_than`` seconds (or past and emptied), moving a batch of a pre-partitioning
+        table, purging strays of the default partition (migration 0012); on SQLite
+        deleting up to ``limit`` finished runs older than that, oldest first. ``idle``:
+        nothing left to do; ``blocked``: nothing but a day whose runs sit in the default
+        partition; ``busy``: a lock was not had within ``lock_timeout``."""
+        rows = await self.tx.query(
+            "runs_maintain",
+            older_than=older_than,
+            ahead_days=ahead_days,
+            limit=limit,
+            lock_ms=max(1, round(lock_timeout * 1000)),
+        )
+        if not rows:  # SQLite: a row per run deleted, none when done
+            return HistoryStep("idle", None, 0)
+        first = rows[0]
+        return HistoryStep(first["action"], first["target"], sum(int(r["rows"]) for r in rows))
 
-    async def trim(self, names: Sequence[str], keep: int) -> None:
-        """Delete the runs of ``names`` older than their newest ``keep``."""
-        await self.tx.query("plugin_trim", names=list(names), keep=keep)
+    async def trim_page(self, after: str, limit: int) -> list[TrimState]:
+        """Up to ``limit`` schedules after ``after`` in name order, with their run count and
+        the count at which their history is trimmed next (None: not planned)."""
+        rows = await self.tx.query("plugin_trim_page", after=after, limit=limit)
+        return [TrimState(r["name"], r["run_count"], r["history_trim_at"]) for r in rows]
+
+    async def plan_trims(self, plans: dict[str, int]) -> None:
+        """Record each schedule's next trim (the run count it waits for)."""
+        payload = json.dumps([{"name": n, "trim_at": at} for n, at in plans.items()])
+        await self.tx.query("plugin_trim_plan", plans=payload)
+
+    async def trim(self, names: Sequence[str], keep: int) -> int:
+        """Delete the finished runs of ``names`` older than their newest ``keep``; return how
+        many went."""
+        return len(await self.tx.query("plugin_trim", names=list(names), keep=keep))

@@ -46,8 +46,8 @@ SELECT pg_notify('scheduler_publications_due', ''),
 
 -- name: missing_grants
 -- Checked by `run` and `preflight` after migrating (privileges.py): of the grants asked for
--- (kind $1[i], 'table', 'sequence' or 'procedure'; object $2[i], a procedure by its
--- signature; privilege $3[i]), those the current role lacks. An object that does not
+-- (kind $1[i], 'table', 'sequence', 'procedure' or 'function'; object $2[i], a procedure by
+-- its signature, a function by its name; privilege $3[i]), those the current role lacks. An object that does not
 -- exist counts as lacking (to_regclass gives NULL), which cannot happen after migrating.
 SELECT r.kind, r.name, r.privilege, quote_ident(current_user) AS role
 FROM unnest($1::text[], $2::text[], $3::text[]) AS r(kind, name, privilege)
@@ -55,6 +55,7 @@ WHERE NOT coalesce(CASE r.kind
     WHEN 'table' THEN has_table_privilege(to_regclass(r.name), r.privilege)
     WHEN 'sequence' THEN has_sequence_privilege(to_regclass(r.name), r.privilege)
     WHEN 'procedure' THEN has_function_privilege(to_regprocedure(r.name), r.privilege)
+    WHEN 'function' THEN has_function_privilege(to_regproc(r.name), r.privilege)
 END, false)
 ORDER BY r.kind DESC, r.name, r.privilege
 
@@ -771,8 +772,11 @@ SELECT 'outlook', now(), NULL,
 -- name: plugin_claim
 -- The whole batch in one statement: advance each schedule's next_run_at by compare-and-set
 -- on the value the tick read (a change made meanwhile wins: look again next tick), consume
--- the trigger it saw, and insert its (name, slot) runs. The unique (name, slot) and the
--- one-running-run-per-schedule index are the guarantee, whatever the leaders think.
+-- the trigger it saw, and insert its (name, slot) runs. The unique (name, slot) is the
+-- guarantee that a slot runs once, whatever the leaders think. One run in flight per
+-- schedule: the claim finds none running, and compares-and-sets the schedule's row on both
+-- next_run_at and the trigger it saw, so that of two claims of one schedule the second
+-- waits on the row and then finds it changed (every claim changes one of the two).
 WITH claim AS (
     SELECT * FROM jsonb_to_recordset(:claims::text::jsonb)
         AS c(name text, seen_next timestamptz, next timestamptz, seen_trigger timestamptz,
@@ -794,9 +798,9 @@ advanced AS (
         updated_at = now()
     FROM claim c
     WHERE t.name = c.name AND t.next_run_at = c.seen_next AND t.active AND NOT t.paused
+      AND t.trigger_requested_at IS NOT DISTINCT FROM c.seen_trigger
       AND (:owned::text IS NULL OR t.shard_hash % :k IN (SELECT shard FROM current_shards))
-      -- Never past a run still `running` (the unique index would refuse the new one, and
-      -- the slot would be lost): the schedule stays due until that run is closed.
+      -- Never past a run still `running`: the schedule stays due until that run is closed.
       AND (c.run_slot IS NULL OR NOT EXISTS (
           SELECT 1 FROM scheduler_plugin_runs r WHERE r.name = t.name AND r.status = 'running'))
     RETURNING t.name
@@ -829,7 +833,7 @@ RETURNING t.name
 -- closed by someone else (abandoned) records nothing.
 WITH result AS (
     SELECT * FROM jsonb_to_recordset(:results::text::jsonb)
-        AS r(id bigint, status text, error text, finished_at timestamptz)
+        AS r(id bigint, slot timestamptz, status text, error text, finished_at timestamptz)
 ),
 current_shards AS (
     SELECT o.shard FROM jsonb_to_recordset(:owned::text::jsonb) AS o(shard int, token bigint)
@@ -839,7 +843,7 @@ finished AS (
     UPDATE scheduler_plugin_runs p
     SET status = r.status, error = r.error, finished_at = r.finished_at
     FROM result r
-    WHERE p.id = r.id AND p.status = 'running'
+    WHERE p.id = r.id AND p.slot = r.slot AND p.status = 'running'
       AND (:owned::text IS NULL
            OR scheduler_shard_hash(p.name) % :k IN (SELECT shard FROM current_shards))
     RETURNING p.name, r.status, r.error, r.finished_at
@@ -856,7 +860,8 @@ WHERE t.name = f.name
 RETURNING t.name, t.consecutive_failures, t.paused, t.run_count
 
 -- name: plugin_trim
--- History kept per schedule: found from the (name, slot) index, per schedule named.
+-- The runs of :names beyond their newest :keep, found from the (name, slot) index, per
+-- schedule named (by the built-in purge_runs, off the tick: plugins/retention.py).
 DELETE FROM scheduler_plugin_runs p
 USING (SELECT n.name, c.slot AS cutoff
        FROM unnest(:names::text[]) AS n(name)
@@ -864,22 +869,24 @@ USING (SELECT n.name, c.slot AS cutoff
                            WHERE name = n.name ORDER BY slot DESC
                            OFFSET :keep LIMIT 1) c) old
 WHERE p.name = old.name AND p.slot <= old.cutoff AND p.status <> 'running'
+RETURNING p.id
 
--- name: purge_runs
--- Run history older than :older_than seconds (by started_at), oldest first: the :limit
--- lowest ids, of which those old enough and finished go. Ids grow with started_at (both
--- are set by the claim), so the oldest rows are the lowest ids: this reads :limit entries
--- of the primary key and no more, whether or not there is anything to delete (a filter on
--- started_at would scan the whole history to find nothing). A batch that deleted nothing
--- reached rows too young: the purge is done for now.
-WITH oldest AS (
-    SELECT id, started_at, status FROM scheduler_plugin_runs ORDER BY id LIMIT :limit
-)
-DELETE FROM scheduler_plugin_runs r
-USING oldest o
-WHERE r.id = o.id AND o.status <> 'running'
-  AND o.started_at < now() - make_interval(secs => :older_than)
-RETURNING r.id
+-- name: plugin_trim_page
+-- A page of schedules in name order (the primary key) with what decides their next trim.
+SELECT name, run_count, history_trim_at FROM scheduler_plugin_tasks
+WHERE name > :after ORDER BY name LIMIT :limit
+
+-- name: plugin_trim_plan
+-- Each schedule's run count at which its history is trimmed next.
+UPDATE scheduler_plugin_tasks t SET history_trim_at = p.trim_at
+FROM jsonb_to_recordset(:plans::text::jsonb) AS p(name text, trim_at bigint)
+WHERE t.name = p.name
+
+-- name: runs_maintain
+-- One step of the history's upkeep (migration 0012: days made ahead, days dropped whole
+-- once older than :older_than seconds or emptied, the old table moved, strays purged).
+SELECT action, target, rows
+FROM scheduler_runs_maintain(:older_than, :ahead_days, :limit, :lock_ms)
 
 -- name: purge_publications
 DELETE FROM scheduler_publications

@@ -11,7 +11,8 @@ docs/security.md lists the same grants (its tests run them verbatim). Advisory l
 LISTEN/NOTIFY, ``pg_locks``, ``application_name`` in ``pg_stat_activity`` and the settings
 the lock sessions make for themselves (``idle_session_timeout``, keepalives, …) need none.
 A session-mode standby waits through the procedure ``scheduler_wait_for_lock`` (migration
-0010): PUBLIC may EXECUTE it unless an operator revoked that, so it is checked too.
+0010): PUBLIC may EXECUTE it unless an operator revoked that, so it is checked too. The
+run history's upkeep (``scheduler_runs_maintain``, 0012) is not PUBLIC's: it is granted.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from .sqlfiles import queries
 
 QUERIES = queries("postgres")
 
-# (kind, object) -> privileges; kind is "table", "sequence" or "procedure" (its signature).
+# (kind, object) -> privileges; kind is "table", "sequence", "procedure" (its signature) or
+# "function" (its name, which is unique).
 Grants = dict[tuple[str, str], set[str]]
 
 _ORDER = ("SELECT", "INSERT", "UPDATE", "DELETE", "USAGE", "EXECUTE")
@@ -38,9 +40,17 @@ WAIT_PROCEDURES = (
 )
 
 
-def required_grants(loops: Collection[str], *, session: bool, webhook: bool, purge: bool) -> Grants:
+# The run history's upkeep (migration 0012), run by the built-in purge_runs: it makes and
+# drops partitions as the tables' owner (SECURITY DEFINER), and only granted roles may call it.
+RUNS_UPKEEP_FUNCTION = "scheduler_runs_maintain"
+
+
+def required_grants(
+    loops: Collection[str], *, session: bool, webhook: bool, purge: bool, purge_runs: bool
+) -> Grants:
     """What the enabled ``loops`` need: ``session`` lock mode (else transaction), the
-    ``webhook`` publisher, the built-in ``purge_publications`` task."""
+    ``webhook`` publisher, the built-in tasks ``purge_publications`` (``purge``) and
+    ``purge_runs``."""
     need: Grants = defaultdict(set)
 
     def grant(name: str, *privileges: str, kind: str = "table") -> None:
@@ -69,6 +79,8 @@ def required_grants(loops: Collection[str], *, session: bool, webhook: bool, pur
         grant("scheduler_runnable_targets", "SELECT", "INSERT", "UPDATE", "DELETE")
         if purge:
             grant("scheduler_publications", "DELETE")
+        if purge_runs:
+            grant(RUNS_UPKEEP_FUNCTION, "EXECUTE", kind="function")
     return dict(need)
 
 
@@ -78,7 +90,11 @@ def grant_statement(kind: str, name: str, privileges: Collection[str], role: str
     block). Object names are the daemon's own; the role comes quoted by the server
     (``quote_ident`` in missing_grants)."""
     ordered = ", ".join(sorted(privileges, key=_ORDER.index))
-    on = {"sequence": f"SEQUENCE {name}", "procedure": f"PROCEDURE {name}"}.get(kind, name)
+    on = {
+        "sequence": f"SEQUENCE {name}",
+        "procedure": f"PROCEDURE {name}",
+        "function": f"FUNCTION {name}",
+    }.get(kind, name)
     return f"GRANT {ordered} ON {on} TO {role}"
 
 

@@ -215,6 +215,7 @@ JOIN scheduler_plugin_tasks t
   ON t.name = json_extract(c.value, '$.name')
  AND julianday(t.next_run_at) = julianday(json_extract(c.value, '$.seen_next'))
 WHERE t.active AND NOT t.paused
+  AND julianday(t.trigger_requested_at) IS julianday(json_extract(c.value, '$.seen_trigger'))
   AND (json_extract(c.value, '$.run_slot') IS NULL OR NOT EXISTS (
       SELECT 1 FROM scheduler_plugin_runs r WHERE r.name = t.name AND r.status = 'running'))
 ON CONFLICT (name) DO NOTHING;
@@ -278,15 +279,27 @@ WHERE status <> 'running' AND name IN (SELECT value FROM json_each(:names))
   AND slot <= (SELECT r.slot FROM scheduler_plugin_runs r
                WHERE r.name = scheduler_plugin_runs.name
                ORDER BY r.slot DESC LIMIT 1 OFFSET :keep)
+RETURNING id
 
--- name: purge_runs
--- As PostgreSQL's: of the :limit lowest ids (the oldest runs), those finished and started
--- more than :older_than seconds ago.
+-- name: plugin_trim_page
+SELECT name, run_count, history_trim_at FROM scheduler_plugin_tasks
+WHERE name > :after ORDER BY name LIMIT :limit
+
+-- name: plugin_trim_plan
+UPDATE scheduler_plugin_tasks AS t SET history_trim_at = json_extract(p.value, '$.trim_at')
+FROM json_each(:plans) AS p
+WHERE t.name = json_extract(p.value, '$.name')
+
+-- name: runs_maintain
+-- SQLite's history is one table: its upkeep is deleting by age, oldest first. Of the
+-- :limit lowest ids (the oldest runs: ids grow with started_at), those finished and
+-- started more than :older_than seconds ago; a row per run deleted (the other parameters
+-- are PostgreSQL's).
 DELETE FROM scheduler_plugin_runs
 WHERE id IN (SELECT id FROM scheduler_plugin_runs ORDER BY id LIMIT :limit)
   AND status <> 'running'
   AND julianday(started_at) < julianday('now') - :older_than / 86400.0
-RETURNING id
+RETURNING 'purged' AS action, 'scheduler_plugin_runs' AS target, 1 AS rows
 
 -- name: purge_publications
 DELETE FROM scheduler_publications

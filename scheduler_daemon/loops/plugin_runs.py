@@ -41,7 +41,6 @@ from ..leadership import Lease, PendingHold
 from ..logs import Logger
 from ..metrics import Metrics
 from ..plugins.context import TaskContext
-from ..plugins.schedule import name_hash
 from ..plugins.tasks import TaskSpec
 from ..plugins.worker_process import WorkerJob
 from ..plugins.workers import WorkerFailed, Workers
@@ -262,19 +261,10 @@ class PluginRuns:
                 )  # fmt: skip
 
     async def _finish(self, store: PluginStore, ended: Sequence[Ended]) -> list[FinishedSchedule]:
-        """Results written, and history trimmed every so many runs per schedule, never
-        per run: it stays between `history` and `history` + that many rows. Each schedule
-        trims at its own phase of that cycle (a hash of its name): schedules created
-        together, whose run counts move in step, would otherwise all trim in the same
-        second (10,000 of them, a million rows at once)."""
-        keep = self.settings.plugin.history
-        every = max(1, min(100, keep))
+        """Results written. History is trimmed elsewhere (plugins/retention.py, the
+        built-in purge_runs): nothing of retention runs on the tick's path."""
         limit = self.settings.plugin.max_consecutive_failures
-        finished = await store.finish([e.result for e in ended], limit)
-        trim = [f.name for f in finished if (f.run_count + name_hash(f.name)) % every == 0]
-        if trim:
-            await store.trim(trim, keep)
-        return finished
+        return await store.finish([e.result for e in ended], limit)
 
     def _track(self, spec: TaskSpec, task: asyncio.Task[Any]) -> None:
         name = spec.name
@@ -335,7 +325,7 @@ class PluginRuns:
         self.metrics.plugin_run_duration.labels(label).observe(duration)
         # Its schedule is not claimed again until this result is written.
         self.unrecorded.add(spec.name)
-        result = RunResult(start.run_id, spec.name, status, error, clock.now())
+        result = RunResult(start.run_id, spec.name, start.slot, status, error, clock.now())
         return Ended(result, duration, run_log, spec.timeout)
 
     async def _execute(self, spec: TaskSpec, ctx: TaskContext, hold: Lease, log: Logger) -> None:

@@ -1,0 +1,112 @@
+"""How much run history is kept, enforced off the tick by the built-in task purge_runs.
+
+Two bounds, whichever keeps fewer (docs/operations.md, "Run history"):
+
+- by age, ``plugin.history_max_age``: on PostgreSQL the history is partitioned by day of
+  slot (migration 0012) and goes a whole day at a time, never row by row; the same upkeep
+  makes the days ahead. On SQLite the oldest runs are deleted in batches.
+- by count, ``plugin.history`` runs per schedule: each schedule is trimmed every so many
+  of its runs, at its own phase of that cycle (a hash of its name), so that schedules
+  created together, whose run counts move in step, do not all trim in one second. A sweep
+  in name order finds the schedules due a trim, a page at a time.
+
+Each step is a short transaction of its own on the leader's fenced connection: between
+two of them the loop's ticks go on. A day emptied by the count (a busy schedule's history
+turns over in hours) is dropped whole too, so on PostgreSQL both bounds free space whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..db.plugin_store import PluginStore, TrimState
+from .context import TaskContext
+from .schedule import name_hash
+
+# Days of partitions made ahead of today: the upkeep runs every minute, so two days leave a
+# leader-less or failing upkeep two days before runs fall into the default partition.
+AHEAD_DAYS = 2
+# How long a step waits for a table lock (a partition's DROP waits for the statements on
+# the history to end): past that it gives up until the next round, rather than queue the
+# loop's statements behind it.
+LOCK_TIMEOUT = 0.1
+# Runs moved or deleted per transaction.
+BATCH = 1000
+# Schedules read per transaction by the count's sweep, and trimmed per transaction (each
+# trim deletes up to `trim_every` runs).
+SWEEP_PAGE = 1000
+TRIM_CHUNK = 50
+
+
+@dataclass(frozen=True, slots=True)
+class AgeUpkeep:
+    rows: int  # runs moved or deleted
+    busy: bool  # a step gave up on a lock: the next round goes on
+
+
+def trim_every(keep: int) -> int:
+    """How many runs a schedule has between two trims: the history stays between ``keep``
+    and ``keep`` + this many rows."""
+    return max(1, min(100, keep))
+
+
+def next_trim(run_count: int, name: str, every: int) -> int:
+    """The run count, after ``run_count``, at which ``name`` is trimmed next: a multiple of
+    ``every``, shifted by the name's own phase."""
+    return run_count + every - (run_count + name_hash(name)) % every
+
+
+async def keep_young(ctx: TaskContext, max_age: float) -> AgeUpkeep:
+    """Steps of the age upkeep until there is nothing left to do (or a lock was busy)."""
+    rows = 0
+    while not ctx.cancelled.is_set():
+        async with ctx.transaction() as tx:
+            step = await PluginStore(tx).maintain_history(
+                older_than=max_age, ahead_days=AHEAD_DAYS, limit=BATCH, lock_timeout=LOCK_TIMEOUT
+            )
+        if step.action == "busy":
+            ctx.log.info("runs.upkeep_busy", table=step.target)
+            return AgeUpkeep(rows, busy=True)
+        if step.action == "blocked":  # runs of that day go to the default partition
+            ctx.log.warning("runs.partition_blocked", table=step.target)
+        if step.action in ("idle", "blocked"):
+            return AgeUpkeep(rows, busy=False)
+        rows += step.rows
+        if step.action in ("created", "dropped", "emptied"):
+            # DDL, rare (a few a day): each said, with the rows a dropped day held.
+            ctx.log.info(f"runs.partition_{step.action}", table=step.target, rows=step.rows)
+    return AgeUpkeep(rows, busy=False)
+
+
+async def trim_to_count(ctx: TaskContext, keep: int) -> int:
+    """One sweep of the schedules: those due a trim lose their runs beyond the newest
+    ``keep``; those never planned get their first trim planned. Returns runs deleted."""
+    every = trim_every(keep)
+    after, trimmed = "", 0
+    while not ctx.cancelled.is_set():
+        async with ctx.transaction() as tx:
+            page = await PluginStore(tx).trim_page(after, SWEEP_PAGE)
+        due = [s for s in page if s.trim_at is not None and s.run_count >= s.trim_at]
+        for start in range(0, len(due), TRIM_CHUNK):
+            if ctx.cancelled.is_set():
+                return trimmed
+            trimmed += await _trim(ctx, due[start : start + TRIM_CHUNK], keep, every)
+        unplanned = {
+            s.name: next_trim(s.run_count, s.name, every) for s in page if s.trim_at is None
+        }
+        if unplanned:
+            async with ctx.transaction() as tx:
+                await PluginStore(tx).plan_trims(unplanned)
+        if len(page) < SWEEP_PAGE:
+            break
+        after = page[-1].name
+    return trimmed
+
+
+async def _trim(ctx: TaskContext, schedules: Sequence[TrimState], keep: int, every: int) -> int:
+    async with ctx.transaction() as tx:
+        store = PluginStore(tx)
+        deleted = await store.trim([s.name for s in schedules], keep)
+        await store.plan_trims({s.name: next_trim(s.run_count, s.name, every) for s in schedules})
+    return deleted
