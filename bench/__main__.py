@@ -24,6 +24,7 @@ BENCHMARKS = [
     "scale",
     "shards",
     "sustained",
+    "runs_migration",
 ]
 
 parser = argparse.ArgumentParser(prog="python -m bench")
