@@ -87,10 +87,16 @@ FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
 WHERE c.relname = ANY($1::text[]) AND c.relkind IN ('r', 'p')
 """
 
-# A partitioned table's own size is 0: its partitions' are summed under its name.
+# A partitioned table has no size or statistics of its own: its partitions' are summed
+# under its name (its vacuums too: one vacuum of each partition counts as one).
 PARTITIONS = """
-SELECT i.inhparent::regclass::text AS table, sum(pg_total_relation_size(i.inhrelid)) AS bytes
-FROM pg_inherits i WHERE i.inhparent::regclass::text = ANY($1::text[])
+SELECT i.inhparent::regclass::text AS table, sum(pg_total_relation_size(i.inhrelid)) AS bytes,
+       sum(pg_relation_size(i.inhrelid)) AS heap_bytes,
+       coalesce(sum(s.n_live_tup), 0) AS live, coalesce(sum(s.n_dead_tup), 0) AS dead,
+       coalesce(sum(s.autovacuum_count), 0) AS autovacuums,
+       coalesce(sum(s.vacuum_count), 0) AS vacuums, count(*) AS partitions
+FROM pg_inherits i LEFT JOIN pg_stat_user_tables s ON s.relid = i.inhrelid
+WHERE i.inhparent::regclass::text = ANY($1::text[])
 GROUP BY i.inhparent
 """
 
@@ -137,7 +143,15 @@ async def table_sample(conn: asyncpg.Connection) -> dict[str, dict[str, int]]:
     rows = await conn.fetch(TABLE_STATS, list(TABLES))
     out = {row["table"]: dict(row) for row in rows}
     for row in await conn.fetch(PARTITIONS, list(TABLES)):
-        out[row["table"]]["total_bytes"] = int(row["bytes"])
+        out[row["table"]] |= {
+            "total_bytes": int(row["bytes"]),
+            "heap_bytes": int(row["heap_bytes"]),
+            "live": int(row["live"]),
+            "dead": int(row["dead"]),
+            "autovacuums": int(row["autovacuums"]),
+            "vacuums": int(row["vacuums"]),
+            "partitions": int(row["partitions"]),
+        }
     return out
 
 

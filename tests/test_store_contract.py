@@ -111,6 +111,41 @@ async def test_a_triggered_schedule_is_due_before_its_slot(store: Store) -> None
     assert due.trigger_requested_at == now
 
 
+async def test_a_claim_that_starts_a_run_compares_the_trigger_it_saw(store: Store) -> None:
+    """A trigger that came after the tick's read: a claim that would start a run without
+    it does nothing (the next tick sees both); a claim that only skips a slot is not held
+    back by it, and leaves it waiting. This, with next_run_at, is what keeps two claims of
+    one schedule from both starting a run (a partitioned history has no unique index to)."""
+    now = await now_of(store)
+    slot = now - timedelta(seconds=5)
+    nxt = slot + timedelta(seconds=10)
+    await add(store, "t", slot, trigger_requested_at=now)
+    await add(store, "s", slot, trigger_requested_at=now)
+    async with store.transaction() as tx:
+        claimed = await PluginStore(tx).claim(
+            "r1",
+            [
+                Claim("t", seen_next=slot, next_run_at=nxt, run_slot=slot),
+                Claim("s", seen_next=slot, next_run_at=nxt, skip_slot=slot),
+            ],
+        )
+    assert [(c.name, c.status) for c in claimed] == [("s", "skipped_overlap")]
+    tasks = await rows(
+        store,
+        "SELECT name, next_run_at, trigger_requested_at FROM "
+        "scheduler_plugin_tasks WHERE name IN ('s', 't') ORDER BY name",
+    )
+    assert tasks == [
+        {"name": "s", "next_run_at": nxt, "trigger_requested_at": now},
+        {"name": "t", "next_run_at": slot, "trigger_requested_at": now},
+    ]
+    async with store.transaction() as tx:  # read again: the trigger seen, and consumed
+        claimed = await PluginStore(tx).claim(
+            "r1", [Claim("t", seen_next=slot, next_run_at=nxt, seen_trigger=now, run_slot=slot)]
+        )
+    assert [(c.name, c.status) for c in claimed] == [("t", "running")]
+
+
 async def test_claim_is_compare_and_set_and_one_running_run_per_schedule(store: Store) -> None:
     now = await now_of(store)
     slot = now - timedelta(seconds=5)

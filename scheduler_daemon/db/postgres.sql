@@ -774,9 +774,10 @@ SELECT 'outlook', now(), NULL,
 -- on the value the tick read (a change made meanwhile wins: look again next tick), consume
 -- the trigger it saw, and insert its (name, slot) runs. The unique (name, slot) is the
 -- guarantee that a slot runs once, whatever the leaders think. One run in flight per
--- schedule: the claim finds none running, and compares-and-sets the schedule's row on both
--- next_run_at and the trigger it saw, so that of two claims of one schedule the second
--- waits on the row and then finds it changed (every claim changes one of the two).
+-- schedule: the claim finds none running, and compares-and-sets the schedule's row on
+-- next_run_at and, if it starts a run, on the trigger it saw, so that of two claims of one
+-- schedule the second waits on the row and then finds it changed (a claim that starts a
+-- run moves next_run_at or consumes the trigger).
 WITH claim AS (
     SELECT * FROM jsonb_to_recordset(:claims::text::jsonb)
         AS c(name text, seen_next timestamptz, next timestamptz, seen_trigger timestamptz,
@@ -798,7 +799,8 @@ advanced AS (
         updated_at = now()
     FROM claim c
     WHERE t.name = c.name AND t.next_run_at = c.seen_next AND t.active AND NOT t.paused
-      AND t.trigger_requested_at IS NOT DISTINCT FROM c.seen_trigger
+      -- A claim that starts a run saw the trigger it consumes (or none): still the same.
+      AND (c.run_slot IS NULL OR t.trigger_requested_at IS NOT DISTINCT FROM c.seen_trigger)
       AND (:owned::text IS NULL OR t.shard_hash % :k IN (SELECT shard FROM current_shards))
       -- Never past a run still `running`: the schedule stays due until that run is closed.
       AND (c.run_slot IS NULL OR NOT EXISTS (

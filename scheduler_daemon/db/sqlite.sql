@@ -215,7 +215,8 @@ JOIN scheduler_plugin_tasks t
   ON t.name = json_extract(c.value, '$.name')
  AND julianday(t.next_run_at) = julianday(json_extract(c.value, '$.seen_next'))
 WHERE t.active AND NOT t.paused
-  AND julianday(t.trigger_requested_at) IS julianday(json_extract(c.value, '$.seen_trigger'))
+  AND (json_extract(c.value, '$.run_slot') IS NULL
+       OR julianday(t.trigger_requested_at) IS julianday(json_extract(c.value, '$.seen_trigger')))
   AND (json_extract(c.value, '$.run_slot') IS NULL OR NOT EXISTS (
       SELECT 1 FROM scheduler_plugin_runs r WHERE r.name = t.name AND r.status = 'running'))
 ON CONFLICT (name) DO NOTHING;

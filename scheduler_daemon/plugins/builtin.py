@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from ..config.settings import Settings
 from ..db.publish_store import PublishStore
 from .context import TaskContext
-from .retention import BATCH, keep_young, trim_to_count
+from .retention import BATCH, SWEEP_SHARE, WORK_BUDGET, keep_young, trim_to_count
 
 # Rows deleted per transaction: each batch is a short transaction of its own (on the
 # leader's lock connection, between its ticks), so a purge of a million rows never holds
@@ -25,7 +26,8 @@ def builtin_tasks(settings: Settings) -> list[Mapping[str, Any]]:
         """Delete finished publications due longer ago than ``publish.retention``, in
         batches, each its own short transaction so writers are never blocked for long."""
         purged = 0
-        while not ctx.cancelled.is_set():
+        deadline = time.monotonic() + WORK_BUDGET  # a backlog goes on at the next run
+        while not ctx.cancelled.is_set() and time.monotonic() < deadline:
             async with ctx.transaction() as tx:
                 batch = await PublishStore(tx).purge(older_than=retention, limit=PURGE_BATCH)
             purged += batch
@@ -37,8 +39,9 @@ def builtin_tasks(settings: Settings) -> list[Mapping[str, Any]]:
     async def purge_runs(ctx: TaskContext) -> None:
         """Keep the run history within ``plugin.history_max_age`` and ``plugin.history``
         runs per task (plugins/retention.py); on PostgreSQL, make its days ahead too."""
-        aged = await keep_young(ctx, history_age)
-        trimmed = await trim_to_count(ctx, history)
+        deadline = time.monotonic() + WORK_BUDGET
+        aged = await keep_young(ctx, history_age, deadline - SWEEP_SHARE)
+        trimmed = await trim_to_count(ctx, history, deadline)
         if aged.rows or trimmed:
             ctx.log.info(
                 "runs.purged", aged=aged.rows, trimmed=trimmed, max_age=history_age, keep=history

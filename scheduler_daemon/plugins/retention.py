@@ -17,6 +17,8 @@ turns over in hours) is dropped whole too, so on PostgreSQL both bounds free spa
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,6 +39,12 @@ BATCH = 1000
 # trim deletes up to `trim_every` runs).
 SWEEP_PAGE = 1000
 TRIM_CHUNK = 50
+# What one run of purge_runs spends at most, under its 5-minute timeout: a backlog (10
+# million runs of a pre-0012 table to move took 12 minutes) goes on at the next run rather
+# than be cut off by the timeout, which counts as a failure and pauses the task after 5.
+# The age's upkeep leaves the last minute of it to the count's sweep.
+WORK_BUDGET = 240.0
+SWEEP_SHARE = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,14 +65,21 @@ def next_trim(run_count: int, name: str, every: int) -> int:
     return run_count + every - (run_count + name_hash(name)) % every
 
 
-async def keep_young(ctx: TaskContext, max_age: float) -> AgeUpkeep:
-    """Steps of the age upkeep until there is nothing left to do (or a lock was busy)."""
+async def keep_young(ctx: TaskContext, max_age: float, deadline: float) -> AgeUpkeep:
+    """Steps of the age upkeep until there is nothing left to do, a lock was busy, or the
+    monotonic ``deadline`` passed."""
     rows = 0
-    while not ctx.cancelled.is_set():
+    while not ctx.cancelled.is_set() and time.monotonic() < deadline:
+        started = time.monotonic()
         async with ctx.transaction() as tx:
             step = await PluginStore(tx).maintain_history(
                 older_than=max_age, ahead_days=AHEAD_DAYS, limit=BATCH, lock_timeout=LOCK_TIMEOUT
             )
+        if step.action in ("moved", "purged"):
+            # A backlog (a pre-0012 history to copy: 10 million rows) is paced to half of
+            # the connection's time at most: its steps share it with the loop's ticks,
+            # and going flat out made the runs seconds late.
+            await asyncio.sleep(time.monotonic() - started)
         if step.action == "busy":
             ctx.log.info("runs.upkeep_busy", table=step.target)
             return AgeUpkeep(rows, busy=True)
@@ -79,17 +94,18 @@ async def keep_young(ctx: TaskContext, max_age: float) -> AgeUpkeep:
     return AgeUpkeep(rows, busy=False)
 
 
-async def trim_to_count(ctx: TaskContext, keep: int) -> int:
-    """One sweep of the schedules: those due a trim lose their runs beyond the newest
-    ``keep``; those never planned get their first trim planned. Returns runs deleted."""
+async def trim_to_count(ctx: TaskContext, keep: int, deadline: float) -> int:
+    """One sweep of the schedules (until the monotonic ``deadline``: the next run starts
+    over): those due a trim lose their runs beyond the newest ``keep``; those never
+    planned get their first trim planned. Returns runs deleted."""
     every = trim_every(keep)
     after, trimmed = "", 0
-    while not ctx.cancelled.is_set():
+    while not ctx.cancelled.is_set() and time.monotonic() < deadline:
         async with ctx.transaction() as tx:
             page = await PluginStore(tx).trim_page(after, SWEEP_PAGE)
         due = [s for s in page if s.trim_at is not None and s.run_count >= s.trim_at]
         for start in range(0, len(due), TRIM_CHUNK):
-            if ctx.cancelled.is_set():
+            if ctx.cancelled.is_set() or time.monotonic() >= deadline:
                 return trimmed
             trimmed += await _trim(ctx, due[start : start + TRIM_CHUNK], keep, every)
         unplanned = {

@@ -6,8 +6,8 @@
 -- The existing table is renamed, not converted: converting (or attaching it, which would
 -- build the new indexes on it) holds ACCESS EXCLUSIVE for minutes at 10 M rows. Its
 -- running rows move here, now (a few, found by the partial index); the finished ones are
--- moved in batches by scheduler_runs_maintain below (the built-in task maintain_runs),
--- each batch a short transaction of its own, and the old table is dropped once empty.
+-- copied in batches by scheduler_runs_maintain below (the built-in task purge_runs), each
+-- batch a short transaction of its own, and the old table is dropped once all are.
 -- Until then the dashboard shows only what has moved.
 --
 -- What the unique partial index on (name) WHERE status = 'running' enforced (one run of a
@@ -67,8 +67,8 @@ CREATE TABLE scheduler_plugin_runs_default PARTITION OF scheduler_plugin_runs DE
 --            to `keep_seconds` ago while the old table still has rows to move there;
 --   dropped  a day wholly older than `keep_seconds`;
 --   emptied  a past day with no rows left (the per-task count trimmed them all);
---   moved    up to `batch` of the old table's rows younger than `keep_seconds` (the
---            rest are deleted with them), and the old table itself once empty;
+--   moved    up to `batch` of the old table's rows, those younger than `keep_seconds`
+--            copied (the rest left behind), and the old table dropped once all are;
 --   purged   up to `batch` rows of the default partition older than `keep_seconds`;
 --   blocked  nothing left to do but a day that the default partition has rows of, which
 --            cannot get its own partition until they age out (skipped meanwhile);
@@ -82,8 +82,8 @@ LANGUAGE plpgsql SECURITY DEFINER AS $$
 DECLARE
     today timestamptz := date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC';
     horizon timestamptz := now() - make_interval(secs => keep_seconds);
+    -- The old table, while it has runs to copy (the migration drops it if it has none).
     legacy boolean := to_regclass('scheduler_plugin_runs_0011') IS NOT NULL;
-    to_move boolean := false;  -- the old table has finished runs left to move
     day timestamptz;
     part text;
     taken_n bigint;
@@ -92,14 +92,10 @@ DECLARE
     r record;
 BEGIN
     PERFORM set_config('lock_timeout', lock_ms::text, true);
-    IF legacy THEN  -- (dynamic: the table goes, and a cached plan would outlive it)
-        EXECUTE 'SELECT EXISTS (SELECT 1 FROM scheduler_plugin_runs_0011 '
-                'WHERE status <> ''running'')' INTO to_move;
-    END IF;
     -- Today and the days ahead; while the old table has rows to move, the days back to
     -- the horizon too (no past day otherwise: an emptied one is not made again).
     FOR day IN SELECT generate_series(
-                   CASE WHEN to_move THEN date_trunc('day', horizon AT TIME ZONE 'UTC')
+                   CASE WHEN legacy THEN date_trunc('day', horizon AT TIME ZONE 'UTC')
                                          AT TIME ZONE 'UTC'
                         ELSE today END,
                    today + make_interval(days => ahead_days), interval '1 day') LOOP
@@ -142,7 +138,7 @@ BEGIN
     LOOP
         IF r.upper_bound <= horizon THEN
             n := greatest(r.reltuples, 0);
-        ELSIF NOT to_move AND r.upper_bound <= today AND r.reltuples <= 0 THEN
+        ELSIF NOT legacy AND r.upper_bound <= today AND r.reltuples <= 0 THEN
             EXECUTE format('SELECT count(*) FROM (SELECT 1 FROM %I LIMIT 1) x', r.relname)
                 INTO n;
             CONTINUE WHEN n > 0;
@@ -161,10 +157,13 @@ BEGIN
     END LOOP;
 
     IF legacy AND batch > 0 THEN  -- (batch 0: DDL only, as this migration asks below)
+        -- Copied in id order from where the last step stopped (the old table is only read:
+        -- deleting from it would leave each next step more dead entries to scan past),
+        -- then dropped whole.
         WITH taken AS (
-            DELETE FROM scheduler_plugin_runs_0011
-            WHERE id IN (SELECT id FROM scheduler_plugin_runs_0011 ORDER BY id LIMIT batch)
-            RETURNING *
+            SELECT o.* FROM scheduler_plugin_runs_0011 o
+            WHERE o.id > (SELECT moved_up_to FROM scheduler_plugin_runs_0011_moved)
+            ORDER BY o.id LIMIT batch
         ), moved AS (
             INSERT INTO scheduler_plugin_runs
                 (id, name, slot, instance, started_at, finished_at, status, error)
@@ -172,14 +171,18 @@ BEGIN
             FROM taken WHERE started_at >= horizon
             ON CONFLICT DO NOTHING
             RETURNING 1
+        ), advanced AS (
+            UPDATE scheduler_plugin_runs_0011_moved
+            SET moved_up_to = (SELECT max(id) FROM taken)
+            WHERE EXISTS (SELECT 1 FROM taken)
         )
         SELECT (SELECT count(*) FROM taken), (SELECT count(*) FROM moved) INTO taken_n, n;
-        IF taken_n > 0 OR EXISTS (SELECT 1 FROM scheduler_plugin_runs_0011) THEN
+        IF taken_n > 0 THEN
             RETURN QUERY SELECT 'moved', 'scheduler_plugin_runs_0011', n;
             RETURN;
         END IF;
         BEGIN
-            DROP TABLE scheduler_plugin_runs_0011;
+            DROP TABLE scheduler_plugin_runs_0011, scheduler_plugin_runs_0011_moved;
         EXCEPTION WHEN lock_not_available THEN
             RETURN QUERY SELECT 'busy', 'scheduler_plugin_runs_0011', 0::bigint;
             RETURN;
@@ -213,8 +216,19 @@ BEGIN
 END $$;
 REVOKE EXECUTE ON FUNCTION scheduler_runs_maintain(float8, integer, integer, integer) FROM PUBLIC;
 
--- The days around now (back to the horizon while the old table has rows to move), so that
--- runs land in their own partitions from the first; the maintenance makes the days to come.
+-- How far the upkeep has copied the old table (its ids, in order). A database with no
+-- history (a new one) has nothing to copy: its old table goes at once.
+CREATE TABLE scheduler_plugin_runs_0011_moved (moved_up_to bigint NOT NULL);
+INSERT INTO scheduler_plugin_runs_0011_moved VALUES (0);
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM scheduler_plugin_runs_0011) THEN
+        DROP TABLE scheduler_plugin_runs_0011, scheduler_plugin_runs_0011_moved;
+    END IF;
+END $$;
+
+-- The days around now (back to the horizon while the old table has runs to copy), so that
+-- runs land in their own partitions from the first; the upkeep makes the days to come.
 DO $$
 DECLARE
     step record;
@@ -225,16 +239,20 @@ BEGIN
     END LOOP;
 END $$;
 
--- The running rows, where the loop will look for them (by the partial index: a few). An
+-- The running rows, where the loop will look for them (by the partial index: a few); an
 -- old table with nothing else goes now.
-WITH taken AS (
-    DELETE FROM scheduler_plugin_runs_0011 WHERE status = 'running' RETURNING *
-)
-INSERT INTO scheduler_plugin_runs (id, name, slot, instance, started_at, finished_at, status, error)
-SELECT id, name, slot, instance, started_at, finished_at, status, error FROM taken;
 DO $$
 BEGIN
+    IF to_regclass('scheduler_plugin_runs_0011') IS NULL THEN
+        RETURN;
+    END IF;
+    WITH taken AS (
+        DELETE FROM scheduler_plugin_runs_0011 WHERE status = 'running' RETURNING *
+    )
+    INSERT INTO scheduler_plugin_runs
+        (id, name, slot, instance, started_at, finished_at, status, error)
+    SELECT id, name, slot, instance, started_at, finished_at, status, error FROM taken;
     IF NOT EXISTS (SELECT 1 FROM scheduler_plugin_runs_0011) THEN
-        DROP TABLE scheduler_plugin_runs_0011;
+        DROP TABLE scheduler_plugin_runs_0011, scheduler_plugin_runs_0011_moved;
     END IF;
 END $$;
