@@ -244,6 +244,54 @@ async def test_a_read_only_transaction_does_not_wait_for_a_writer(sqlite_url: st
         await store.close()
 
 
+async def test_a_transaction_cancelled_as_it_begins_leaves_no_write_lock_behind(
+    sqlite_url: str,
+) -> None:
+    """SQLite: a BEGIN IMMEDIATE whose caller is cancelled still runs in aiosqlite's
+    thread (here it waits busy_timeout for another process's write lock). It used to
+    begin a transaction nobody ended: the process kept the write lock while it lived, and
+    a new leader granted the lock files waited busy_timeout again and again (a rolling
+    upgrade's old leader, its runs' result write cancelled as it stepped down)."""
+    path = sqlite_url.removeprefix("sqlite:///")
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    store = await open_store(Settings(database_url=sqlite_url, database={"statement_timeout": 5}))
+    try:
+
+        async def write() -> None:
+            async with store.transaction() as tx:
+                await tx.run("UPDATE scheduler_publications SET attempts = attempts")
+
+        writing = asyncio.create_task(write())
+        await asyncio.sleep(0.1)  # its BEGIN is on its way (it cannot end before holder's)
+        assert not writing.done()
+        writing.cancel()
+        async with asyncio.timeout(2):  # at once: no waiting for holder (busy_timeout)
+            with pytest.raises(asyncio.CancelledError):
+                await writing
+        holder.execute("ROLLBACK")  # the abandoned BEGIN takes the write lock now
+        async with asyncio.timeout(10):  # a read queued behind it: it has begun by then
+            assert await store.schema_version() is not None
+        # ...and gave it back: another process writes, and so does the store itself.
+        await asyncio.to_thread(take_write_lock, path, within=5.0)
+        async with asyncio.timeout(10), store.transaction() as tx:
+            await tx.run("UPDATE scheduler_publications SET attempts = attempts")
+    finally:
+        holder.close()
+        await store.close()
+
+
+def take_write_lock(path: str, within: float) -> None:
+    """Take SQLite's write lock on `path` (and give it back) as another process would,
+    waiting `within` seconds at most for whoever holds it."""
+    other = sqlite3.connect(path, isolation_level=None, timeout=within)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        other.execute("ROLLBACK")
+    finally:
+        other.close()
+
+
 @pytest.mark.postgres
 async def test_a_read_only_transaction_refuses_writes(pg_url: str) -> None:
     store = await open_store(Settings(database_url=pg_url))

@@ -18,7 +18,7 @@ import os
 import re
 import sqlite3
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Final
@@ -215,6 +215,8 @@ class SqliteStore:
         self.conn = conn
         self._file = file
         self._lock = asyncio.Lock()
+        # The last clean-up of a transaction whose caller was cancelled (see _settle).
+        self._settling: asyncio.Task[None] | None = None
 
     @property
     def commit_watch(self) -> CommitWatch:
@@ -294,8 +296,14 @@ class SqliteStore:
 
     @asynccontextmanager
     async def _transaction(self, begin: str) -> AsyncIterator[aiosqlite.Connection]:
-        async with self._lock:
-            await self.conn.execute(begin)
+        await self._lock.acquire()
+        # The last statement sent (BEGIN, COMMIT or ROLLBACK): it runs to its end in
+        # aiosqlite's thread whatever happens to our await of it, so it is awaited
+        # shielded, for _settle to see how it ended.
+        statement: asyncio.Future[Any] | None = None
+        try:
+            statement = self._send(begin)
+            await asyncio.shield(statement)
             try:
                 yield self.conn
             except BaseException as exc:
@@ -307,9 +315,42 @@ class SqliteStore:
                 # An interrupted write has already been rolled back by SQLite itself; a
                 # second ROLLBACK would fail and hide the original exception.
                 if self.conn.in_transaction:
-                    await self.conn.execute("ROLLBACK")
+                    statement = self._send("ROLLBACK")
+                    await asyncio.shield(statement)
                 raise
-            await self.conn.execute("COMMIT")
+            statement = self._send("COMMIT")
+            await asyncio.shield(statement)
+        finally:
+            # Left with a statement still running (we were cancelled meanwhile) or a
+            # transaction still open (cancelled just as BEGIN ended, a COMMIT that
+            # failed): _settle ends it, and only then lets the lock go.
+            if statement is not None and (not statement.done() or self.conn.in_transaction):
+                self._settling = asyncio.create_task(self._settle(statement), name="sqlite:settle")
+            else:
+                self._lock.release()
+
+    def _send(self, sql: str) -> asyncio.Future[Any]:
+        return asyncio.ensure_future(self.conn.execute(sql))
+
+    async def _settle(self, statement: asyncio.Future[Any]) -> None:
+        """End the transaction a cancelled caller left behind, then release the lock.
+
+        A BEGIN IMMEDIATE whose await was cancelled still runs in aiosqlite's thread: at
+        once, or once that thread gets the CPU (a loaded machine), or once another
+        process lets the write lock go (it waits up to busy_timeout, which no interrupt
+        cuts short). Nobody would end the transaction it begins: this process would hold
+        the database's write lock for as long as it lives, every other process's write
+        failing after busy_timeout (a new leader, granted the lock files, among them),
+        and its own next BEGIN failing too. Rolled back here, before anything else of ours
+        runs on the connection; the cancelled caller does not wait for it (a leader's work
+        must stop within stop_grace, not busy_timeout)."""
+        try:
+            with suppress(Exception):  # the caller's outcome, and the caller is gone
+                await statement
+            if self.conn.in_transaction:  # it began, or a COMMIT failed
+                await self.conn.execute("ROLLBACK")
+        finally:
+            self._lock.release()
 
     async def migrate(self) -> list[AppliedMigration]:
         applied: list[AppliedMigration] = []
@@ -432,4 +473,8 @@ class SqliteStore:
         return TableHealth(tables=None, oldest_snapshot=None, file=file)
 
     async def close(self) -> None:
+        if self._settling is not None:
+            # Its ROLLBACK first. Should that fail, closing rolls back all the same.
+            with suppress(Exception):
+                await self._settling
         await self.conn.close()

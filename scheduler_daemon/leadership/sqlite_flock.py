@@ -39,7 +39,7 @@ import os
 import socket
 import struct
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiosqlite
@@ -207,11 +207,16 @@ class FlockGuard(GuardBase[SqliteStore]):
                 heartbeat.cancel()
                 await asyncio.wait({heartbeat})
                 self.metrics.leader.labels(self.loop).set(0)
-                with suppress(Exception):
+                try:
                     async with self.store.write_transaction() as conn:
                         await conn.execute(
                             QUERIES["leader_release"], (self.loop, self.key, *self._identity)
                         )
+                except Exception as exc:
+                    # The row is only what `status` shows; the locks go below all the same.
+                    # Said, not swallowed: a write failing here is the database in trouble
+                    # (or a transaction of ours left open), and the next leader meets it.
+                    self.log.warning("leader.release_failed", error=describe(exc))
                 self.metrics.leadership_changes.labels(self.loop, "released").inc()
                 self.log.info("leader.released")
         finally:
