@@ -25,6 +25,7 @@ BENCHMARKS = [
     "shards",
     "sustained",
     "runs_migration",
+    "dashboard",
 ]
 
 parser = argparse.ArgumentParser(prog="python -m bench")

@@ -155,6 +155,32 @@ def names(count: int) -> list[str]:
     return [f"s{i:05d}" for i in range(count)]
 
 
+async def add_runtime_schedules(
+    conn: asyncpg.Connection,
+    count: int,
+    target: str = NOOP,
+    every: float = PERIOD,
+    jitter: float = 0.0,
+    runnable: Sequence[str] = RUNNABLE,
+) -> None:
+    """`count` runtime schedules named names(count), of `target` every `every` s, an hour
+    away, with plain SQL (one statement; a million in about 15 s); first the runnable
+    targets, as a leader's take-over writes them (the insert trigger checks the target)."""
+    await conn.execute(
+        "INSERT INTO scheduler_runnable_targets (target) SELECT unnest($1::text[])",
+        list(runnable),
+    )
+    await conn.execute(
+        "INSERT INTO scheduler_plugin_tasks "
+        "(name, target, every_seconds, jitter_seconds, next_run_at) "
+        "SELECT n, $2, $3, $4, now() + interval '1 hour' FROM unnest($1::text[]) n",
+        names(count),
+        target,
+        every,
+        jitter,
+    )
+
+
 def stop_all(daemons: Sequence[subprocess.Popen[bytes]]) -> None:
     """SIGTERM to every one at once, then wait for each (stop_daemon, one by one, would
     let the first's shards move to the others before they stop)."""
@@ -217,18 +243,8 @@ class Leader:
         if self.log_statements:
             await conn.execute(f"ALTER DATABASE {self.database} SET log_statement = 'all'")
         if self.kind == "runtime":
-            await conn.execute(
-                "INSERT INTO scheduler_runnable_targets (target) SELECT unnest($1::text[])",
-                list(self.runnable),
-            )
-            await conn.execute(
-                "INSERT INTO scheduler_plugin_tasks "
-                "(name, target, every_seconds, jitter_seconds, next_run_at) "
-                "SELECT n, $2, $3, $4, now() + interval '1 hour' FROM unnest($1::text[]) n",
-                names(self.count),
-                self.target,
-                self.every,
-                self.jitter,
+            await add_runtime_schedules(
+                conn, self.count, self.target, self.every, self.jitter, self.runnable
             )
         else:
             await conn.execute(

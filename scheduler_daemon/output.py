@@ -79,3 +79,9 @@ def human_duration(seconds: float) -> str:
     if whole < 86400:
         return f"{whole // 3600}h {whole % 3600 // 60}m"
     return f"{whole // 86400}d {whole % 86400 // 3600}h"
+
+
+def counted(value: int, limit: int | None) -> str:
+    """A count that stopped at ``limit`` (a report's ``count_limit``) as "10000+": at least
+    that many."""
+    return f"{value}+" if limit is not None and value >= limit else str(value)

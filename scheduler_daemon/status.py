@@ -20,10 +20,10 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from .config.settings import Settings
-from .db.base import Store, TableHealth
+from .db.base import COUNT_LIMIT, Store, TableHealth
 from .db.sqlfiles import migrations, queries
 from .leadership.sqlite_flock import lock_path
-from .output import human_duration, human_size, json_value
+from .output import counted, human_duration, human_size, json_value
 
 if TYPE_CHECKING:  # the CLI imports this module; it has no use for prometheus_client
     from .db.postgres import PostgresStore
@@ -54,7 +54,7 @@ async def collect_status(store: Store, settings: Settings) -> dict[str, Any]:
     loops["publish"]["backlog"] = stats.due
     loops["publish"]["next_due"] = json_value(stats.next_due)
     async with store.transaction(readonly=True) as tx:
-        [plugin] = await tx.query("plugin_stats")
+        [plugin] = await tx.query("plugin_stats", limit=COUNT_LIMIT)
     # Schedules due, and how long the oldest has waited: how far behind the loop is.
     loops["plugin"]["backlog"] = plugin["due"]
     loops["plugin"]["lag"] = round(plugin["lag"] or 0.0, 3)
@@ -64,6 +64,8 @@ async def collect_status(store: Store, settings: Settings) -> dict[str, Any]:
         "backend": store.backend,
         "lock_mode": settings.lock.mode if store.capabilities.advisory_locks else "flock",
         "schema_version": await store.schema_version(),
+        # Backlogs and publications waiting are counted up to this many (db.base).
+        "count_limit": COUNT_LIMIT,
         "publications": {
             "scheduled": stats.scheduled,
             "due": stats.due,
@@ -289,7 +291,9 @@ def _flock_held(path: os.PathLike[str]) -> bool:
 
 # What the summary keeps, level by level; everything else is left out. An allow-list, so a
 # field added to the full report later stays out of the network's view until added here.
-_SUMMARY_TOP = ("backend", "lock_mode", "schema_version", "publications", "loops")
+_SUMMARY_TOP = (
+    "backend", "lock_mode", "schema_version", "count_limit", "publications", "loops",
+)  # fmt: skip
 _SUMMARY_TABLES = ("snapshot_seconds", "database_file")
 _SUMMARY_TABLE = (
     "table", "bytes", "live_rows", "dead_rows", "dead_ratio", "last_vacuum", "vacuum_age",
@@ -416,16 +420,17 @@ def render_status(report: dict[str, Any]) -> str:
         else:
             # SQLite: a waiting replica polls the lock file and leaves no trace to count.
             lines.append(f"{'':<10} standbys unknown (not visible on SQLite)")
+        limit = report.get("count_limit")
         if loop == "publish":
             lines.append(
-                f"{'':<10} backlog {info['backlog']} due, "
-                f"{report['publications']['scheduled']} scheduled, "
+                f"{'':<10} backlog {counted(info['backlog'], limit)} due, "
+                f"{counted(report['publications']['scheduled'], limit)} scheduled, "
                 f"next due {info['next_due'] or '-'}"
             )
         elif "backlog" in info:
             lines.append(
-                f"{'':<10} backlog {info['backlog']} schedules due, lag {info['lag']:g}s, "
-                f"next slot {info['next_due'] or '-'}"
+                f"{'':<10} backlog {counted(info['backlog'], limit)} schedules due, "
+                f"lag {info['lag']:g}s, next slot {info['next_due'] or '-'}"
             )
     if "tables" in report:
         lines.extend(_render_tables(report["tables"]))

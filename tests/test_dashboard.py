@@ -1,5 +1,6 @@
 """The browser dashboard, in a real browser (Debian's Chromium, driven by Playwright)
-against real daemons and a real PostgreSQL.
+against real daemons and a real PostgreSQL; its paging and search over plain HTTP on both
+backends.
 
 Sync tests only: while the module's browser runs, this thread's event loop is
 Playwright's (tests/rig/browser.py); `rig.sql.fetch` reads the database from a thread.
@@ -9,13 +10,14 @@ The cluster and runs pages' screenshots in docs/images/ are taken here.
 from __future__ import annotations
 
 import base64
+import html as htmllib
 import json
 import re
 import signal
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,11 @@ from rig.sql import fetch
 from rig.ticks import FAST_TIMINGS, PLUGIN_ONLY, first_leader
 from rig.waiting import wait_until
 
-pytestmark = [pytest.mark.postgres, pytest.mark.processes]
+from scheduler_daemon.dashboard.reads import successor
+
+# PostgreSQL's tests are marked `postgres` by the rig (they use its fixtures); the paging
+# tests run on SQLite too.
+pytestmark = [pytest.mark.processes]
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "docs" / "images"
@@ -232,16 +238,216 @@ def test_ten_thousand_schedules_page_fast_and_search_by_name(
     page.goto(url + "/schedules")  # warm: the first request imports templates
     began = time.monotonic()
     page.goto(url + "/schedules")
-    expect(page.locator("table.schedules tbody tr")).to_have_count(50)
+    rows = page.locator("table.schedules tbody tr")
+    expect(rows).to_have_count(50)
     first_page = time.monotonic() - began
     print(f"schedules page with 10,000 schedules: {first_page * 1000:.0f} ms")
     assert first_page < 1.0
-    expect(page.locator("p.count")).to_contain_text("10000 schedules")
+    # Counted from the statistics (once the inserting session's have arrived): an estimate.
+    wait_until(lambda: "About 10,000 schedules in all" in get(url + "/schedules")[1], 10,
+               "the estimate")  # fmt: skip
+    # Pages follow the links, by name: next, last, previous, first.
+    pager = page.locator("nav.pager")
+    pager.get_by_role("link", name="Next →").click()
+    expect(rows.first).to_contain_text("sched-00051")
+    pager.get_by_role("link", name="Last »").click()
+    expect(rows.last).to_contain_text("sched-10000")
+    expect(pager.get_by_role("link", name="Next →")).to_have_count(0)
+    pager.get_by_role("link", name="← Previous").click()
+    expect(rows.first).to_contain_text("sched-09901")
+    expect(rows.last).to_contain_text("sched-09950")
+    pager.get_by_role("link", name="« First").click()
+    expect(rows.first).to_contain_text("sched-00001")
+    expect(pager.get_by_role("link", name="← Previous")).to_have_count(0)
+    # A search finds the names that start with the text typed, case and all.
+    page.fill("#q", "sched-0734")
+    page.keyboard.press("Enter")
+    expect(rows).to_have_count(10)
+    expect(page.locator("p.count")).to_contain_text("Names starting with “sched-0734”")
+    page.fill("#q", "SCHED-0734")
+    page.keyboard.press("Enter")
+    expect(rows).to_have_count(1)
+    expect(rows.first).to_contain_text("No schedule starts with")
     page.fill("#q", "sched-07342")
     page.keyboard.press("Enter")
-    expect(page.locator("table.schedules tbody tr")).to_have_count(1)
+    expect(rows).to_have_count(1)
     page.locator("a", has_text="sched-07342").click()
     expect(page).to_have_url(re.compile(r"/schedules/sched-07342$"))
+
+
+# -- paging and search, both backends (plain HTTP) -----------------------------------
+
+FAR = "2999-01-01T00:00:00.000Z"  # a time no test reaches: nothing runs or publishes
+# Byte order (code points of the UTF-8): "Alpha-x" and "Zulu" before every lowercase name,
+# "émile" after them all; LIKE's wildcards among them, meant literally by a search.
+NAMES = [f"alpha-{n:03d}" for n in range(120)] + [
+    "alpha", "alphabet", "Alpha-x", "Zulu", "beta", "a_b", "a%b", "axb", "émile",
+]  # fmt: skip
+
+
+def insert_schedules(url: str, names: list[str]) -> None:
+    fetch(url, "INSERT INTO scheduler_runnable_targets (target) VALUES ('sample.noop') "
+          "ON CONFLICT DO NOTHING")  # fmt: skip
+    values = ", ".join(
+        f"(${n}, 'every 1h', '{FAR}', 'runtime', 'sample.noop', 3600)"
+        for n in range(1, len(names) + 1)
+    )
+    fetch(url, "INSERT INTO scheduler_plugin_tasks (name, schedule, next_run_at, source, target, "
+          f"every_seconds) VALUES {values}", *names)  # fmt: skip
+
+
+def shown(html: str, what: str) -> list[str]:
+    """The schedules' names (``what="schedules"``) or publications' ids a page lists."""
+    pattern = rf'<td><a href="/{what}/[^"]*">#?([^<]*)</a></td>'
+    return [htmllib.unescape(found) for found in re.findall(pattern, html)]
+
+
+def link(html: str, rel: str) -> str | None:
+    """The address of the pager's link ``rel`` (next, prev, first, last), if it has one."""
+    found = re.search(rf'<a href="([^"]+)" rel="{rel}">', html)
+    return htmllib.unescape(found[1]) if found else None
+
+
+def walk(url: str, path: str, rel: str, what: str = "schedules") -> list[list[str]]:
+    """Each page from ``path`` on, following the ``rel`` links to the end."""
+    pages: list[list[str]] = []
+    following: str | None = path
+    while following is not None:
+        assert len(pages) < 20, "the pages never end"
+        status, html = get(url + following)
+        assert status == 200, (following, re.findall(r'role="alert">([^<]*)', html))
+        pages.append(shown(html, what))
+        following = link(html, rel)
+    return pages
+
+
+def flat(pages: Iterable[list[str]]) -> list[str]:
+    return [each for page in pages for each in page]
+
+
+def dashboard(url: str, daemons: Daemons, name: str) -> str:
+    process = daemons.start(replica_env(url, name, SCHEDULER_PLUGIN__ENABLED="false"), name=name)
+    served = base_url(process)
+    # The HTTP server answers before the replica has connected (503 until then).
+    wait_until(lambda: get(served + "/schedules")[0] == 200, 20, "connected")
+    return served
+
+
+def test_schedules_page_by_name_both_ways(database_url: str, daemons: Daemons) -> None:
+    """Forward from the first page and back from the last, every schedule is on exactly
+    one page, in byte order; the first page offers no way back, the last no way on."""
+    insert_schedules(database_url, NAMES)
+    url = dashboard(database_url, daemons, "dash-pages")
+    in_order = sorted(NAMES)  # Python compares code points: byte order of the UTF-8
+    forward = walk(url, "/schedules", "next")
+    assert [len(names) for names in forward] == [50, 50, 29]
+    assert flat(forward) == in_order
+    backward = walk(url, "/schedules?last=1", "prev")
+    assert [len(names) for names in backward] == [50, 50, 29]
+    assert flat(reversed(backward)) == in_order
+    _, first = get(url + "/schedules")
+    assert link(first, "prev") is None
+    assert link(first, "first") is None
+    assert link(first, "last") == "/schedules?last=1"
+    _, last = get(url + "/schedules?last=1")
+    assert link(last, "next") is None
+    assert link(last, "last") is None
+    assert link(last, "first") == "/schedules"
+    # The page after a name that is gone, or that never was, starts at the next name.
+    assert shown(get(url + "/schedules?after=alpha-0995")[1], "schedules")[0] == "alpha-100"
+    # Past the end: nothing, and the way back to the first page.
+    _, past = get(url + "/schedules?after=%F4%8F%BF%BF")
+    assert shown(past, "schedules") == []
+    assert link(past, "first") == "/schedules"
+    # How many there are: counted exactly on SQLite, estimated from PostgreSQL's statistics.
+    wait_until(
+        lambda: re.search(r"(About )?129 schedules in all", get(url + "/schedules")[1]),
+        10, "the count",
+    )  # fmt: skip
+
+
+def test_a_search_finds_names_by_prefix_case_sensitively(
+    database_url: str, daemons: Daemons
+) -> None:
+    insert_schedules(database_url, NAMES)
+    url = dashboard(database_url, daemons, "dash-search")
+    alphas = [name for name in sorted(NAMES) if name.startswith("alpha")]
+    found = walk(url, "/schedules?q=alpha", "next")
+    assert [len(names) for names in found] == [50, 50, 22]
+    assert flat(found) == alphas  # not "Alpha-x": case counts
+    back = walk(url, "/schedules?q=alpha&last=1", "prev")
+    assert flat(reversed(back)) == alphas
+    # Each link keeps the search.
+    _, html = get(url + "/schedules?q=alpha")
+    assert link(html, "next") == "/schedules?after=alpha-048&q=alpha"
+
+    def names_of(query: str) -> list[str]:
+        status, html = get(url + "/schedules?q=" + query)
+        assert status == 200, query
+        return shown(html, "schedules")
+
+    assert names_of("alpha-1") == [f"alpha-{n}" for n in range(100, 120)]
+    assert names_of("ALPHA") == []
+    assert names_of("Alpha") == ["Alpha-x"]
+    assert names_of("a_") == ["a_b"]  # LIKE's wildcards are plain characters here
+    assert names_of("a%25") == ["a%b"]
+    assert names_of("%C3%A9") == ["émile"]
+    assert names_of("%20%20alpha-11%20") == [f"alpha-{n}" for n in range(110, 120)]
+    assert names_of("nothing") == []
+    # No name holds a NUL or a lone surrogate: searching for one finds nothing, no error.
+    assert names_of("a%00") == []
+    assert names_of("a%ED%A0%80") == []
+
+
+def test_a_prefix_is_one_range_of_names() -> None:
+    """[prefix, successor(prefix)) holds exactly the strings that start with the prefix,
+    in code point order: no surrogate is a character, and U+10FFFF has no successor."""
+    assert successor("alpha") == "alphb"
+    assert successor("a\ud7ff") == "a\ue000"
+    assert successor("a\U0010ffff") == "b"
+    assert successor("") is None
+    assert successor("\U0010ffff\U0010ffff") is None
+    names = ["a", "a\U0010ffff", "a\U0010ffffz", "b", "a\ud7ff", "a\ue000", "`", "ab"]
+    for prefix in ("a", "a\U0010ffff", "a\ud7ff"):
+        end = successor(prefix)
+        in_range = [n for n in names if prefix <= n and (end is None or n < end)]
+        assert in_range == [n for n in names if n.startswith(prefix)], prefix
+
+
+def insert_publications(url: str, status: str, first: str, count: int) -> None:
+    """``count`` publications in ``status``: the first half due at ``first`` together
+    (the keyset is (publish_at, id), not publish_at alone), the rest a second apart."""
+    at = [first if n < count // 2 else f"{first[:14]}{n // 60:02d}:{n % 60:02d}.000Z"
+          for n in range(count)]  # fmt: skip
+    done = "now()" if url.startswith("postgres") else f"'{FAR}'"
+    published = done if status == "published" else "NULL"
+    values = ", ".join(
+        f"(${n + 1}, '{when}', '{status}', {published})" for n, when in enumerate(at)
+    )
+    keys = [f"{status}-{n}" for n in range(count)]
+    fetch(url, "INSERT INTO scheduler_publications (key, publish_at, status, published_at) "
+          f"VALUES {values}", *keys)  # fmt: skip
+
+
+def test_publications_page_by_time_and_id(database_url: str, daemons: Daemons) -> None:
+    insert_publications(database_url, "scheduled", "2998-01-01T00:00:00.000Z", 120)
+    insert_publications(database_url, "published", "2020-01-01T00:00:00.000Z", 110)
+    url = dashboard(database_url, daemons, "dash-publications")
+    rows = fetch(database_url, "SELECT id, publish_at, status FROM scheduler_publications")
+    soonest = sorted((r for r in rows if r["status"] == "scheduled"),
+                     key=lambda r: (r["publish_at"], r["id"]))  # fmt: skip
+    latest = sorted((r for r in rows if r["status"] != "scheduled"),
+                    key=lambda r: (r["publish_at"], r["id"]), reverse=True)  # fmt: skip
+    upcoming = walk(url, "/publications", "next", "publications")
+    assert [len(ids) for ids in upcoming] == [50, 50, 20]
+    assert flat(upcoming) == [str(r["id"]) for r in soonest]
+    for path in ("/publications?view=recent", "/publications?view=recent&status=published"):
+        done = walk(url, path, "next", "publications")
+        assert [len(ids) for ids in done] == [50, 50, 10], path
+        assert flat(done) == [str(r["id"]) for r in latest], path
+    assert walk(url, "/publications?view=recent&status=failed", "next", "publications") == [[]]
+    _, html = get(url + f"/publications?after={soonest[49]['id']}")
+    assert link(html, "first") == "/publications?view=upcoming"
 
 
 def test_a_port_others_reach_shows_no_payloads_or_errors_without_opting_in(

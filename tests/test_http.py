@@ -425,7 +425,7 @@ def test_readyz_names_each_startup_phase_until_the_loops_run(
 ) -> None:
     """Connected, but another migrator holds the migration lock: ``migrating``; then
     ready, with ``/status`` answering from the database."""
-    from scheduler_daemon.db.postgres import MIGRATION_LOCK_KEY
+    from scheduler_daemon.db.postgres_migrate import MIGRATION_LOCK_KEY
 
     def reason(port: int) -> str | None:
         status, body = http_get(port, "/readyz")

@@ -23,7 +23,13 @@ from scheduler_daemon.client import Client
 from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.db import connect as connect_module
 from scheduler_daemon.db.connect import connect, open_store
-from scheduler_daemon.db.sqlfiles import formatted, queries
+from scheduler_daemon.db.sqlfiles import (
+    OUTSIDE_A_TRANSACTION,
+    Migration,
+    formatted,
+    migrations,
+    queries,
+)
 from scheduler_daemon.errors import InvalidInput, NotFound, SchemaMissing
 from scheduler_daemon.logs import get_logger
 
@@ -51,6 +57,7 @@ def test_both_backends_define_the_same_queries() -> None:
         # `migrate`'s lock and wake-up, and the grants a role needs (SQLite: the file's).
         "version_table_exists", "migration_lock", "migration_lock_versions",
         "migration_wake_leaders", "missing_grants", "unusable_schemas",
+        "migration_session_lock", "migration_session_unlock",
     }  # fmt: skip
     # Sharded leadership is PostgreSQL's (session mode): SQLite refuses plugin.shards > 1.
     postgres_only |= {name for name in queries("postgres") if name.startswith("shard_")}
@@ -140,6 +147,23 @@ def test_no_sql_in_python() -> None:
             if " ".join(text.split()) not in TRANSACTION_CONTROL | NEVER_RUN:
                 inline.append(f"{path.relative_to(package.parent)}:{line}: {text[:70]!r}")
     assert inline == [], "SQL in Python: make it a named block (see db/sqlfiles.py)"
+
+
+def test_a_migration_outside_a_transaction_is_marked_and_split_into_its_statements() -> None:
+    """Only a file with the marker line runs outside a transaction (CREATE INDEX
+    CONCURRENTLY cannot run in one); it is sent a statement at a time, comments dropped, each
+    safe to repeat (a migrate cut short runs them again: DROP ... IF EXISTS first)."""
+    outside = {m.name: m for m in migrations("postgres") if not m.transactional}
+    assert "publications_not_published" in outside
+    assert "runs_partitioned" not in outside
+    [drop, create] = outside["publications_not_published"].statements
+    assert drop.startswith("DROP INDEX CONCURRENTLY IF EXISTS ")
+    assert create.startswith("CREATE INDEX CONCURRENTLY ")
+    assert create.endswith(";")
+    assert all(m.transactional for m in migrations("sqlite"))
+    cut = Migration(99, "cut", f"{OUTSIDE_A_TRANSACTION}\nCREATE INDEX CONCURRENTLY x ON t (a)\n")
+    with pytest.raises(ValueError, match="no ';'"):
+        _ = cut.statements
 
 
 def test_formatted_writes_integers_only() -> None:

@@ -14,7 +14,7 @@ import hashlib
 import ipaddress
 import json
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.resources import files
@@ -28,14 +28,15 @@ from markupsafe import Markup
 
 from ..aio import wait_any
 from ..config.settings import Settings
-from ..db.base import Store
+from ..db.base import COUNT_LIMIT, Store
 from ..db.publish_store import PublishStore
 from ..db.schedules import ScheduleStore
 from ..errors import InvalidInput, NotFound, describe
 from ..logs import Logger
+from ..output import counted
 from ..status import summarize
 from .auth import Credentials, challenge, read_password, same_origin
-from .reads import TIMELINE_RUNS, PublicationView, Reads, RunPage, timeline
+from .reads import TIMELINE_RUNS, PublicationView, Reads, RunPage, ScheduleQuery, timeline
 
 # A rendering reads a handful of rows through indexes; past this the database is unwell.
 READ_TIMEOUT = 5.0
@@ -87,6 +88,8 @@ def _environment() -> jinja2.Environment:
     env.filters["when"] = _when
     env.filters["span"] = _span
     env.filters["pretty"] = _pretty
+    env.filters["counted"] = lambda value: counted(value, COUNT_LIMIT)
+    env.filters["number"] = lambda value: f"{value:,}"
     static = files("scheduler_daemon.dashboard").joinpath("static")
     versions = {
         entry.name: hashlib.sha256(entry.read_bytes()).hexdigest()[:12]
@@ -271,9 +274,7 @@ class Dashboard:
         return {"report": report}
 
     async def _schedules(self, request: web.Request) -> Context:
-        search = request.query.get("q", "").strip() or None
-        offset = _number(request.query.get("offset")) or 0
-        page = await self._reads().schedules(search, offset, PAGE)
+        page = await self._reads().schedules(schedule_query(request.query), PAGE)
         return {"schedules": page}
 
     async def _schedule(self, request: web.Request) -> Context:
@@ -310,8 +311,8 @@ class Dashboard:
         status = request.query.get("status") or None
         if status not in (None, "published", "failed", "cancelled"):
             status = None
-        offset = _number(request.query.get("offset")) or 0
-        page = await self._reads().publications(view, status, offset, PAGE)
+        after = _number(request.query.get("after"))
+        page = await self._reads().publications(view, status, after, PAGE)
         return {"publications": page}
 
     async def _publication(self, request: web.Request) -> Context:
@@ -407,6 +408,19 @@ _SECURITY_HEADERS = {
     "Referrer-Policy": "same-origin",
     "Cache-Control": "no-store",
 }
+
+
+def schedule_query(query: Mapping[str, str]) -> ScheduleQuery:
+    """The schedules page's address: ``q``, a prefix of names (surrounding spaces
+    dropped), and where the page is: ``after`` a name, ``before`` one, ``last=1``, or else
+    the first."""
+    prefix = query.get("q", "").strip()
+    before, after = query.get("before") or None, query.get("after") or None
+    if before is not None:
+        return ScheduleQuery(prefix, before=before)
+    if query.get("last") == "1":
+        return ScheduleQuery(prefix, last=True)
+    return ScheduleQuery(prefix, after=after)
 
 
 def _number(text: str | None) -> int | None:

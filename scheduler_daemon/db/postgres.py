@@ -21,9 +21,9 @@ from typing import Any, Final
 import asyncpg
 
 from ..config.settings import Settings
-from ..errors import PrivilegeRefused, explain_timeouts
-from ..redact import redact
+from ..errors import explain_timeouts
 from .base import (
+    COUNT_LIMIT,
     SCHEDULER_TABLES,
     AppliedMigration,
     Capabilities,
@@ -37,20 +37,11 @@ from .base import (
     TableStats,
 )
 from .common import explain_cancel_refusal
-from .privileges import refuse_missing_grants, refuse_unusable_schema
-from .sqlfiles import Migration, formatted, migrations, positional, queries
+from .postgres_migrate import apply_migrations
+from .sqlfiles import formatted, positional, queries
 from .url import DatabaseUrl
 
 QUERIES = queries("postgres")
-
-# Serialises `migrate` across replicas. A transaction-level lock on a dedicated
-# connection: a replica that starts at the same moment waits, then finds nothing to do.
-MIGRATION_LOCK_KEY = 0x5C4ED01E_00000001
-# How long a migration waits for the loops' fenced transactions in flight (and for its
-# DDL's locks) before it rolls back and is retried with backoff. While it waits, every
-# loop's next fenced transaction queues behind it: this bounds that pause, should a
-# long SQL task or transaction-mode run be in flight.
-MIGRATION_LOCK_TIMEOUT = 2.0
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
@@ -67,36 +58,6 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     mode user SQL runs on the lock connections, never on the pool. An open transaction is
     still rolled back (asyncpg does that before calling this). Transaction mode keeps the
     default: there tasks' and publishers' SQL runs on pooled connections."""
-
-
-async def _pending(conn: asyncpg.Connection, url: DatabaseUrl) -> list[Migration]:
-    """The migrations of this build that the database has not applied yet."""
-    if not await conn.fetchval(QUERIES["version_table_exists"]):
-        await refuse_unusable_schema(conn, f"database {url}")
-        return list(migrations("postgres"))
-    try:
-        done = {row["version"] for row in await conn.fetch(QUERIES["applied_versions"])}
-    except asyncpg.InsufficientPrivilegeError:
-        # Named as the GRANT that fixes it, as every grant the loops need is.
-        version_table = {("table", "scheduler_schema_version"): {"SELECT"}}
-        await refuse_missing_grants(conn, version_table, f"database {url}")
-        raise
-    return [m for m in migrations("postgres") if m.version not in done]
-
-
-def _cannot_migrate(
-    url: DatabaseUrl, pending: Sequence[Migration], exc: asyncpg.PostgresError
-) -> PrivilegeRefused:
-    """A migration refused for a privilege: with the usual split of roles, a runtime role
-    started against a schema its owner has not upgraded yet. Say which migrations wait."""
-    names = ", ".join(f"{m.version:04d}_{m.name}" for m in pending)
-    message = " ".join(redact(str(exc)).split())  # one line, DETAIL included
-    return PrivilegeRefused(
-        f"database {url}: cannot apply migrations {names}: {message} "
-        "(SQLSTATE 42501): run `scheduler-daemon migrate` as the role that owns the "
-        "scheduler's tables first, or give this role CREATE on the schema "
-        "(docs/security.md)"
-    )
 
 
 def _publication(row: Mapping[str, Any]) -> Publication:
@@ -345,43 +306,11 @@ class PostgresStore:
         return (version.major, version.minor)
 
     async def migrate(self) -> list[AppliedMigration]:
-        applied: list[AppliedMigration] = []
         conn = await self.connect_dedicated("migrate")
-        pending: list[Migration] = []
         try:
-            # Looked at before any DDL: even CREATE TABLE IF NOT EXISTS needs CREATE on the
-            # schema, which a runtime role that only runs the loops does not have (and
-            # should not: docs/security.md). Versions only grow, so "nothing to apply"
-            # read without the lock stays true.
-            pending = await _pending(conn, self.url)
-            if not pending:
-                return applied
-            async with conn.transaction():
-                await conn.execute(QUERIES["migration_lock"], MIGRATION_LOCK_KEY)
-                await conn.execute(QUERIES["create_version_table"])
-                done = {row["version"] for row in await conn.fetch(QUERIES["applied_versions"])}
-                todo = [m for m in migrations("postgres") if m.version not in done]
-                if todo:  # (none: another replica applied them while we waited)
-                    # Migrators queue on the advisory lock, so only this one upgrades its
-                    # read's ACCESS SHARE: no deadlock with another.
-                    timeout_ms = int(MIGRATION_LOCK_TIMEOUT * 1000)
-                    await conn.execute(
-                        formatted(QUERIES["lock_timeout_local"], milliseconds=timeout_ms)
-                    )
-                    await conn.execute(QUERIES["migration_lock_versions"])
-                for migration in todo:
-                    await conn.execute(migration.sql)
-                    await conn.execute(QUERIES["record_version"], migration.version, migration.name)
-                    applied.append(AppliedMigration(migration.version, migration.name))
-                if applied:
-                    await conn.execute(QUERIES["migration_wake_leaders"])
-        except asyncpg.InsufficientPrivilegeError as exc:
-            if not pending:
-                raise  # reading the versions: the usual explanation names the table
-            raise _cannot_migrate(self.url, pending, exc) from None
+            return await apply_migrations(conn, self.url)
         finally:
             await conn.close()
-        return applied
 
     async def schema_version(self) -> int | None:
         try:
@@ -426,8 +355,8 @@ class PostgresStore:
         )  # fmt: skip
         return [_publication(row) for row in rows]
 
-    async def publication_stats(self) -> PublicationStats:
-        row = await self.pool.fetchrow(QUERIES["publication_stats"])
+    async def publication_stats(self, limit: int = COUNT_LIMIT) -> PublicationStats:
+        row = await self.pool.fetchrow(QUERIES["publication_stats"], limit)
         return PublicationStats(row["scheduled"], row["due"], row["next_due"])
 
     async def table_health(self) -> TableHealth:

@@ -29,6 +29,15 @@ SELECT to_regclass('scheduler_schema_version') IS NOT NULL
 -- nothing to do.
 SELECT pg_advisory_xact_lock($1)
 
+-- name: migration_session_lock
+-- A migration outside a transaction (CREATE INDEX CONCURRENTLY) takes its own lock, held by
+-- the session from its first statement to its record: tried, never waited for (postgres.py
+-- _apply_outside says why).
+SELECT pg_try_advisory_lock($1)
+
+-- name: migration_session_unlock
+SELECT pg_advisory_unlock($1)
+
 -- name: migration_lock_versions
 -- A migration's first step: wait until no fenced transaction of a loop is in flight (each
 -- reads the version in its first statement, which holds ACCESS SHARE on the table until it
@@ -103,21 +112,48 @@ RETURNING *
 -- name: publications_find
 -- `scheduler-daemon publications list`: each condition applies unless its parameter is NULL.
 -- $1 statuses, $2 due_after (inclusive), $3 due_before (exclusive), $4 key, $5 key prefix.
-SELECT * FROM scheduler_publications
-WHERE ($1::text[] IS NULL OR status = ANY($1::text[]))
-  AND ($2::timestamptz IS NULL OR publish_at >= $2::timestamptz)
-  AND ($3::timestamptz IS NULL OR publish_at < $3::timestamptz)
-  AND ($4::text IS NULL OR key = $4::text)
-  AND ($5::text IS NULL OR left(key, length($5::text)) = $5::text)
-ORDER BY publish_at, id
-LIMIT $6
+-- Read in publish_at order from the partial index of each status's rows (the due index,
+-- the finished one, that of failed and cancelled: migration 0014), each read stopping at
+-- $6 rows, then merged: one ORDER BY over the whole table sorted every row first (at 50
+-- million finished publications, seconds).
+WITH found AS (
+    (SELECT * FROM scheduler_publications
+     WHERE status = 'scheduled' AND ($1::text[] IS NULL OR 'scheduled' = ANY($1::text[]))
+       AND ($2::timestamptz IS NULL OR publish_at >= $2::timestamptz)
+       AND ($3::timestamptz IS NULL OR publish_at < $3::timestamptz)
+       AND ($4::text IS NULL OR key = $4::text)
+       AND ($5::text IS NULL OR left(key, length($5::text)) = $5::text)
+     ORDER BY publish_at, id LIMIT $6)
+    UNION ALL
+    (SELECT * FROM scheduler_publications
+     WHERE status = 'published' AND ($1::text[] IS NULL OR 'published' = ANY($1::text[]))
+       AND ($2::timestamptz IS NULL OR publish_at >= $2::timestamptz)
+       AND ($3::timestamptz IS NULL OR publish_at < $3::timestamptz)
+       AND ($4::text IS NULL OR key = $4::text)
+       AND ($5::text IS NULL OR left(key, length($5::text)) = $5::text)
+     ORDER BY publish_at, id LIMIT $6)
+    UNION ALL
+    (SELECT * FROM scheduler_publications
+     WHERE status IN ('failed', 'cancelled') AND ($1::text[] IS NULL OR status = ANY($1::text[]))
+       AND ($2::timestamptz IS NULL OR publish_at >= $2::timestamptz)
+       AND ($3::timestamptz IS NULL OR publish_at < $3::timestamptz)
+       AND ($4::text IS NULL OR key = $4::text)
+       AND ($5::text IS NULL OR left(key, length($5::text)) = $5::text)
+     ORDER BY publish_at, id LIMIT $6)
+)
+SELECT * FROM found ORDER BY publish_at, id LIMIT $6
 
 -- name: publication_stats
-SELECT count(*) AS scheduled,
-       count(*) FILTER (WHERE publish_at <= now()) AS due,
-       min(publish_at) AS next_due
-FROM scheduler_publications
-WHERE status = 'scheduled'
+-- `status`, /status and the dashboard: rows waiting and due, each counted up to $1 (the
+-- due index's first $1 entries; a count of $1 means at least that many: counting all of a
+-- million reads them all at every refresh), and the next one due (its first entry).
+SELECT (SELECT count(*) FROM (SELECT FROM scheduler_publications
+                              WHERE status = 'scheduled' LIMIT $1) waiting) AS scheduled,
+       (SELECT count(*) FROM (SELECT FROM scheduler_publications
+                              WHERE status = 'scheduled' AND publish_at <= now()
+                              LIMIT $1) due) AS due,
+       (SELECT min(publish_at) FROM scheduler_publications
+        WHERE status = 'scheduled') AS next_due
 
 -- name: table_health
 -- `status`, and /metrics at most every 30 s: per table named in $1 (in that order), its
@@ -655,13 +691,18 @@ ORDER BY s.shard
 SELECT now() AS now
 
 -- name: plugin_stats
--- `status`: the plugin loop's backlog (schedules due), its lag (the oldest due slot's
--- age) and the next slot, from the due index.
-SELECT count(*) AS due, extract(epoch FROM now() - min(next_run_at))::float8 AS lag,
+-- `status`: the plugin loop's backlog (schedules due, counted up to :limit: a count of
+-- :limit means at least that many; a backlog of a million read whole took 0.2 to 1 s),
+-- its lag (the oldest due slot's age) and the next slot, each from the due index's first
+-- entries.
+SELECT (SELECT count(*) FROM (SELECT FROM scheduler_plugin_tasks
+                              WHERE active AND NOT paused AND next_run_at <= now()
+                              LIMIT :limit) due) AS due,
+       extract(epoch FROM now() - (SELECT min(next_run_at) FROM scheduler_plugin_tasks
+                                   WHERE active AND NOT paused
+                                     AND next_run_at <= now()))::float8 AS lag,
        (SELECT min(next_run_at) FROM scheduler_plugin_tasks
         WHERE active AND NOT paused AND NOT (next_run_at <= now())) AS next_run_at
-FROM scheduler_plugin_tasks
-WHERE active AND NOT paused AND next_run_at <= now()
 
 -- name: plugin_declare
 -- A leader's first tick: the deployment's declared tasks (config, plugins, built-ins) as
@@ -1098,26 +1139,90 @@ LIMIT :limit
 -- name: schedules_count
 SELECT count(*) AS n FROM scheduler_plugin_tasks
 
--- name: dashboard_schedules
--- The dashboard's schedules page: one page in name order of the schedules whose name
--- contains :search (any case; NULL: all), each with the number of matches.
+-- The dashboard's schedules page (dashboard/reads.py): names in byte order (the C
+-- collation: scheduler_plugin_tasks_name_c_idx, migration 0013), a page at a time by
+-- keyset, never OFFSET. A search keeps the names that start with a prefix, which in byte
+-- order are one range, [:low, :below) (:below is the prefix with its last character
+-- incremented); the database's own collation gives no such range. Each block reads one
+-- range of that index and stops after :limit rows, so the millionth schedule's page costs
+-- what the first one's does. The bounds are always values, never `:x IS NULL OR …`,
+-- which a generic plan could not use as the index's range: hence four blocks, forward or
+-- backward, with or without an upper bound.
+
+-- name: dashboard_schedules_forward
+-- From :low on ('' : the first), leaving out :after (the name the page before ended with;
+-- NULL on the first page): the caller passes :low = :after for the page after it.
 SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
        timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
        trigger_requested_at, consecutive_failures, last_slot, last_started_at,
-       last_finished_at, last_status, last_error, run_count, created_at, updated_at,
-       count(*) OVER () AS matches
+       last_finished_at, last_status, last_error, run_count, created_at, updated_at
 FROM scheduler_plugin_tasks
-WHERE :search::text IS NULL OR strpos(lower(name), lower(:search::text)) > 0
-ORDER BY name
-LIMIT :limit OFFSET :offset
+WHERE name COLLATE "C" >= :low::text AND name IS DISTINCT FROM :after::text
+ORDER BY name COLLATE "C"
+LIMIT :limit
+
+-- name: dashboard_schedules_forward_below
+-- As dashboard_schedules_forward, below :below (a search).
+SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
+       timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
+       trigger_requested_at, consecutive_failures, last_slot, last_started_at,
+       last_finished_at, last_status, last_error, run_count, created_at, updated_at
+FROM scheduler_plugin_tasks
+WHERE name COLLATE "C" >= :low::text AND name COLLATE "C" < :below::text
+  AND name IS DISTINCT FROM :after::text
+ORDER BY name COLLATE "C"
+LIMIT :limit
+
+-- name: dashboard_schedules_backward
+-- The last :limit names from :low on, last first: the last page (the caller reverses it).
+SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
+       timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
+       trigger_requested_at, consecutive_failures, last_slot, last_started_at,
+       last_finished_at, last_status, last_error, run_count, created_at, updated_at
+FROM scheduler_plugin_tasks
+WHERE name COLLATE "C" >= :low::text
+ORDER BY name COLLATE "C" DESC
+LIMIT :limit
+
+-- name: dashboard_schedules_backward_below
+-- The last :limit names in [:low, :below), last first: the page before the one that
+-- starts at :below, or a search's last page.
+SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
+       timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
+       trigger_requested_at, consecutive_failures, last_slot, last_started_at,
+       last_finished_at, last_status, last_error, run_count, created_at, updated_at
+FROM scheduler_plugin_tasks
+WHERE name COLLATE "C" >= :low::text AND name COLLATE "C" < :below::text
+ORDER BY name COLLATE "C" DESC
+LIMIT :limit
+
+-- name: dashboard_schedules_estimate
+-- About how many schedules there are, from the statistics: the live rows `status` shows
+-- (pg_stat_user_tables), or the planner's reltuples where those were reset. Counting them
+-- exactly reads the whole index (about a second at a million, at every refresh).
+SELECT coalesce(nullif(s.n_live_tup, 0), nullif(c.reltuples, -1))::bigint AS schedules,
+       true AS approximate
+FROM pg_class c
+LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+WHERE c.oid = to_regclass('scheduler_plugin_tasks')
 
 -- name: dashboard_runs
--- Runs, newest first, older than :before (an id; NULL: from the newest); :failed: only
--- those that failed, timed out or were abandoned (scheduler_plugin_runs_failed_idx).
+-- Runs, newest first, older than :before (an id; NULL: from the newest). A range of ids
+-- whatever :before is (not `:before IS NULL OR …`): a generic plan of that form filters
+-- the history from the newest run down to :before (measured: 2.1 s at 3 million runs).
 SELECT id, name, slot, instance, started_at, finished_at, status, error
 FROM scheduler_plugin_runs
-WHERE (:before::bigint IS NULL OR id < :before::bigint)
-  AND (NOT :failed::boolean OR status IN ('failed', 'timed_out', 'abandoned'))
+WHERE id < coalesce(:before::bigint, 9223372036854775807)
+ORDER BY id DESC
+LIMIT :limit
+
+-- name: dashboard_runs_failed
+-- As dashboard_runs, only those that failed, timed out or were abandoned: the predicate
+-- of scheduler_plugin_runs_failed_idx, written out, so that every plan can use it.
+SELECT id, name, slot, instance, started_at, finished_at, status, error
+FROM scheduler_plugin_runs
+WHERE id < coalesce(:before::bigint, 9223372036854775807)
+  AND status IN ('failed', 'timed_out', 'abandoned')
 ORDER BY id DESC
 LIMIT :limit
 
@@ -1134,18 +1239,29 @@ SELECT id, name, slot, instance, started_at, finished_at, status, error
 FROM scheduler_plugin_runs WHERE id = :id
 
 -- name: dashboard_publications_upcoming
--- Scheduled rows in the order they will be published (the due index).
+-- Scheduled rows in the order they will be published, after the row :after (an id; NULL,
+-- or a row since deleted: from the first). Keyset on (publish_at, id), the due index's
+-- own order, so a page costs the same however far it is; the row's publish_at is read
+-- from the row, so a page's address is just the id it follows.
 SELECT * FROM scheduler_publications
 WHERE status = 'scheduled'
+  AND (publish_at, id) > (coalesce((SELECT publish_at FROM scheduler_publications
+                                    WHERE id = :after::bigint), '-infinity'),
+                          coalesce(:after::bigint, 0))
 ORDER BY publish_at, id
-LIMIT :limit OFFSET :offset
+LIMIT :limit
 
 -- name: dashboard_publications_recent
--- Rows no longer scheduled (:status, or any such), the latest publish_at first.
+-- Rows no longer scheduled (:status, or any such), the latest publish_at first, before
+-- the row :before (an id; NULL, or a row since deleted: from the latest): keyset on
+-- (publish_at, id) as dashboard_publications_upcoming, down scheduler_publications_finished_idx.
 SELECT * FROM scheduler_publications
 WHERE status <> 'scheduled' AND (:status::text IS NULL OR status = :status::text)
+  AND (publish_at, id) < (coalesce((SELECT publish_at FROM scheduler_publications
+                                    WHERE id = :before::bigint), 'infinity'),
+                          coalesce(:before::bigint, 0))
 ORDER BY publish_at DESC, id DESC
-LIMIT :limit OFFSET :offset
+LIMIT :limit
 
 -- name: dashboard_publication_lateness
 -- How late the last :sample published rows were (seconds), and the oldest due row's wait.

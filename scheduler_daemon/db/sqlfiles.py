@@ -32,11 +32,41 @@ _MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 _PLACEHOLDER = re.compile(r"\{([a-z_][a-z0-9_]*)\}")
 
 
+# A PostgreSQL migration whose file holds this line runs outside a transaction, one
+# statement at a time: for CREATE INDEX CONCURRENTLY, which writers of a big table do not
+# wait for (a plain CREATE INDEX holds them up for as long as it reads the table). Its
+# statements must each be safe to run again (IF NOT EXISTS, or a DROP first): a migrate
+# cut short repeats them. Only what the release before runs beside (an index).
+OUTSIDE_A_TRANSACTION = "-- migrate: outside a transaction"
+
+
 @dataclass(frozen=True, slots=True)
 class Migration:
     version: int
     name: str
     sql: str
+
+    @property
+    def transactional(self) -> bool:
+        return OUTSIDE_A_TRANSACTION not in self.sql.splitlines()
+
+    @property
+    def statements(self) -> list[str]:
+        """A migration outside a transaction, statement by statement: each ends a line with
+        ``;`` (no dollar-quoted bodies in such a file); comment lines are dropped."""
+        statements, current = [], []
+        for line in self.sql.splitlines():
+            if line.lstrip().startswith("--") or not line.strip():
+                continue
+            current.append(line)
+            if line.rstrip().endswith(";"):
+                statements.append("\n".join(current))
+                current = []
+        if current:
+            raise ValueError(
+                f"migration {self.version:04d}_{self.name}: no ';' after {current[-1]!r}"
+            )
+        return statements
 
 
 @cache

@@ -29,6 +29,7 @@ import aiosqlite
 from ..config.settings import Settings
 from ..errors import ConfigError, SchemaMissing
 from .base import (
+    COUNT_LIMIT,
     AppliedMigration,
     Capabilities,
     CommitWatch,
@@ -454,8 +455,8 @@ class SqliteStore:
             rows = await cursor.fetchall()
         return [_publication(row) for row in rows]
 
-    async def publication_stats(self) -> PublicationStats:
-        row = await self._fetchone(QUERIES["publication_stats"])
+    async def publication_stats(self, limit: int = COUNT_LIMIT) -> PublicationStats:
+        row = await self._fetchone(QUERIES["publication_stats"], (limit,))
         assert row is not None
         return PublicationStats(row["scheduled"], row["due"], from_julian_day(row["next_due_jd"]))
 

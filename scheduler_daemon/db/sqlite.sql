@@ -65,11 +65,15 @@ ORDER BY julianday(publish_at), id
 LIMIT ?6
 
 -- name: publication_stats
-SELECT count(*) AS scheduled,
-       coalesce(sum(julianday(publish_at) <= julianday('now')), 0) AS due,
-       min(julianday(publish_at)) AS next_due_jd
-FROM scheduler_publications
-WHERE status = 'scheduled'
+-- As in postgres.sql: each count up to ?1.
+SELECT (SELECT count(*) FROM (SELECT 1 FROM scheduler_publications
+                              WHERE status = 'scheduled' LIMIT ?1)) AS scheduled,
+       (SELECT count(*) FROM (SELECT 1 FROM scheduler_publications
+                              WHERE status = 'scheduled'
+                                AND julianday(publish_at) <= julianday('now')
+                              LIMIT ?1)) AS due,
+       (SELECT min(julianday(publish_at)) FROM scheduler_publications
+        WHERE status = 'scheduled') AS next_due_jd
 
 -- name: table_health
 -- `status`: the database file's size and free pages, read from its header. SQLite has no
@@ -124,14 +128,18 @@ FROM scheduler_leaders ORDER BY loop
 SELECT strftime('%Y-%m-%dT%H:%M:%fZ', 'now') AS now
 
 -- name: plugin_stats
--- `status`: the plugin loop's backlog (schedules due), its lag (the oldest due slot's
--- age) and the next slot, from the due index.
-SELECT count(*) AS due, (julianday('now') - min(julianday(next_run_at))) * 86400.0 AS lag,
+-- As in postgres.sql: the backlog counted up to :limit.
+SELECT (SELECT count(*) FROM (SELECT 1 FROM scheduler_plugin_tasks
+                              WHERE active AND NOT paused
+                                AND julianday(next_run_at) <= julianday('now')
+                              LIMIT :limit)) AS due,
+       (julianday('now') - (SELECT min(julianday(next_run_at)) FROM scheduler_plugin_tasks
+                            WHERE active AND NOT paused
+                              AND julianday(next_run_at) <= julianday('now'))) * 86400.0
+           AS lag,
        (SELECT next_run_at FROM scheduler_plugin_tasks
         WHERE active AND NOT paused AND NOT (julianday(next_run_at) <= julianday('now'))
         ORDER BY julianday(next_run_at) LIMIT 1) AS next_run_at
-FROM scheduler_plugin_tasks
-WHERE active AND NOT paused AND julianday(next_run_at) <= julianday('now')
 
 -- name: plugin_declare
 CREATE TEMP TABLE IF NOT EXISTS scheduler_declared (
@@ -485,23 +493,69 @@ LIMIT coalesce(:limit, -1)
 -- name: schedules_count
 SELECT count(*) AS n FROM scheduler_plugin_tasks
 
--- name: dashboard_schedules
--- As in postgres.sql.
+-- The dashboard's schedules page, as in postgres.sql, on the primary key: its BINARY
+-- collation is byte order already. (SQLite plans a statement once, whatever its
+-- parameters: `:x IS NULL OR name > :x` would scan the whole index.)
+
+-- name: dashboard_schedules_forward
 SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
        timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
        trigger_requested_at, consecutive_failures, last_slot, last_started_at,
-       last_finished_at, last_status, last_error, run_count, created_at, updated_at,
-       count(*) OVER () AS matches
+       last_finished_at, last_status, last_error, run_count, created_at, updated_at
 FROM scheduler_plugin_tasks
-WHERE :search IS NULL OR instr(lower(name), lower(:search)) > 0
+WHERE name >= :low AND name IS NOT :after
 ORDER BY name
-LIMIT :limit OFFSET :offset
+LIMIT :limit
+
+-- name: dashboard_schedules_forward_below
+SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
+       timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
+       trigger_requested_at, consecutive_failures, last_slot, last_started_at,
+       last_finished_at, last_status, last_error, run_count, created_at, updated_at
+FROM scheduler_plugin_tasks
+WHERE name >= :low AND name < :below AND name IS NOT :after
+ORDER BY name
+LIMIT :limit
+
+-- name: dashboard_schedules_backward
+SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
+       timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
+       trigger_requested_at, consecutive_failures, last_slot, last_started_at,
+       last_finished_at, last_status, last_error, run_count, created_at, updated_at
+FROM scheduler_plugin_tasks
+WHERE name >= :low
+ORDER BY name DESC
+LIMIT :limit
+
+-- name: dashboard_schedules_backward_below
+SELECT name, source, target, args, schedule, every_seconds, cron, timezone,
+       timeout_seconds, misfire, jitter_seconds, next_run_at, active, paused,
+       trigger_requested_at, consecutive_failures, last_slot, last_started_at,
+       last_finished_at, last_status, last_error, run_count, created_at, updated_at
+FROM scheduler_plugin_tasks
+WHERE name >= :low AND name < :below
+ORDER BY name DESC
+LIMIT :limit
+
+-- name: dashboard_schedules_estimate
+-- SQLite keeps no such statistics; counting the primary key is cheap here (a million
+-- names in about 10 ms), so the count is exact.
+SELECT count(*) AS schedules, 0 AS approximate FROM scheduler_plugin_tasks
 
 -- name: dashboard_runs
+-- As in postgres.sql (SQLite plans `:before IS NULL OR id < :before` as a scan from the
+-- newest run down).
 SELECT id, name, slot, instance, started_at, finished_at, status, error
 FROM scheduler_plugin_runs
-WHERE (:before IS NULL OR id < :before)
-  AND (NOT :failed OR status IN ('failed', 'timed_out', 'abandoned'))
+WHERE id < coalesce(:before, 9223372036854775807)
+ORDER BY id DESC
+LIMIT :limit
+
+-- name: dashboard_runs_failed
+SELECT id, name, slot, instance, started_at, finished_at, status, error
+FROM scheduler_plugin_runs
+WHERE id < coalesce(:before, 9223372036854775807)
+  AND status IN ('failed', 'timed_out', 'abandoned')
 ORDER BY id DESC
 LIMIT :limit
 
@@ -517,16 +571,32 @@ SELECT id, name, slot, instance, started_at, finished_at, status, error
 FROM scheduler_plugin_runs WHERE id = :id
 
 -- name: dashboard_publications_upcoming
+-- As in postgres.sql, on the due index's (julianday(publish_at), id). SQLite reads a
+-- range of an expression index from a plain comparison only, not from a row value's:
+-- hence the first condition, which the second then refines.
 SELECT * FROM scheduler_publications
 WHERE status = 'scheduled'
+  AND julianday(publish_at)
+      >= coalesce((SELECT julianday(publish_at) FROM scheduler_publications WHERE id = :after),
+                  -1e308)
+  AND (julianday(publish_at), id)
+      > (coalesce((SELECT julianday(publish_at) FROM scheduler_publications WHERE id = :after),
+                  -1e308),
+         coalesce(:after, 0))
 ORDER BY julianday(publish_at), id
-LIMIT :limit OFFSET :offset
+LIMIT :limit
 
 -- name: dashboard_publications_recent
+-- As in postgres.sql. (No index orders these by julianday(publish_at): each page sorts
+-- the finished rows past its keyset, as it sorted them all before its OFFSET.)
 SELECT * FROM scheduler_publications
 WHERE status <> 'scheduled' AND (:status IS NULL OR status = :status)
+  AND (julianday(publish_at), id)
+      < (coalesce((SELECT julianday(publish_at) FROM scheduler_publications WHERE id = :before),
+                  1e308),
+         coalesce(:before, 0))
 ORDER BY julianday(publish_at) DESC, id DESC
-LIMIT :limit OFFSET :offset
+LIMIT :limit
 
 -- name: dashboard_publication_lateness
 SELECT (SELECT avg((julianday(published_at) - julianday(publish_at)) * 86400.0)
