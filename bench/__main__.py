@@ -25,6 +25,8 @@ BENCHMARKS = [
     "shards",
     "sustained",
     "runs_migration",
+    "publications_steady",
+    "million",
     "dashboard",
 ]
 

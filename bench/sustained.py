@@ -41,6 +41,7 @@ import asyncpg
 from bench.common import RESULTS, admin_dsn, percentile, save_results
 from bench.growth import code_version, fmt_s
 from bench.scale import PERIOD, Leader
+from scheduler_daemon.plugins.retention import trim_every
 from scheduler_daemon.plugins.schedule import name_hash
 
 STAMP = "growth_tasks:stamp"
@@ -51,7 +52,7 @@ LATENESS_P99_TARGET = 0.1  # s
 RUNS_TARGET = 0.99  # of what is needed, every minute but the failover's
 SIZE_DRIFT_TARGET = 0.10  # tables within 10% of their size after the first minute
 DB = "bench_sustained"
-TRIM_EVERY = 100  # min(100, plugin.history): how often a schedule's history is trimmed
+TRIM_EVERY = trim_every(1000)  # how often a schedule's history is trimmed (history 1,000)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ async def prefill(conn: asyncpg.Connection, per_schedule: int) -> float:
     """Finished runs for every schedule, one per period back from now, as many as the
     default retention keeps at steady state after `per_schedule` runs: `per_schedule`
     (plugin.history), plus those run since the schedule's last trim, which it makes every
-    TRIM_EVERY runs at its own phase (loops/plugin_runs.py); then VACUUM ANALYZE, as
+    TRIM_EVERY runs at its own phase (plugins/retention.py); then VACUUM ANALYZE, as
     autovacuum would have left it. Returns the seconds it took."""
     started = time.monotonic()
     names = [r["name"] for r in await conn.fetch("SELECT name FROM scheduler_plugin_tasks")]
