@@ -37,7 +37,7 @@ from structlog.testing import capture_logs
 from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.daemon import Daemon
 from scheduler_daemon.logs import get_logger
-from scheduler_daemon.plugins.schedule import Cron, name_hash
+from scheduler_daemon.plugins.schedule import Cron
 
 TERMINAL = {"succeeded", "failed", "timed_out", "skipped_overlap", "abandoned"}
 
@@ -772,24 +772,21 @@ async def test_purge_publications_in_batches(database_url: str, db: Db) -> None:
 async def test_history_is_trimmed_to_its_count_off_the_tick_each_task_at_its_own_phase(
     database_url: str, db: Db
 ) -> None:
-    """plugin.history = 4: the built-in purge_runs trims, never the results' write. Its
-    first sweep plans each task's trim: a run count, the next multiple of 4 shifted by a
-    hash of the task's name (tasks made together, whose counts move in step, would
-    otherwise all trim in one sweep). A sweep after a task has reached it trims the task
-    to its newest 4 runs and plans the next."""
+    """plugin.history = 4: the results' write marks a task due a trim every 4 of its runs,
+    at its own phase (a hash of its name: tasks made together, whose counts move in step,
+    come due apart), and the built-in purge_runs trims the marked ones to their newest 4.
+    Nothing is trimmed by the results' write itself."""
     names = [f"t{i}" for i in range(6)]
     tasks = [task(n, every="100ms", target="plugin_targets:tick") for n in names]
+
+    async def twelve_runs_each() -> bool:
+        rows = await db.fetch("SELECT run_count FROM scheduler_plugin_tasks WHERE name LIKE 't%'")
+        return len(rows) == len(names) and all(r["run_count"] >= 12 for r in rows)
+
     plugin = {"history": 4, "disabled": ["purge_publications"]}
     async with running(database_url, tasks, plugin=plugin):
         await at_least(db, "purge_runs", "succeeded", 1)  # its first slot: at start
-        planned = {n: (await db.task(n))["history_trim_at"] for n in names}
-        assert all(at is not None for at in planned.values()), planned
-
-        async def past_their_trims() -> bool:
-            counts = [(await db.task(n))["run_count"] for n in names]
-            return all(count >= planned[n] + 4 for n, count in zip(names, counts, strict=True))
-
-        await until(past_their_trims, "4 runs of every task past its planned trim", within=60)
+        await until(twelve_runs_each, "12 runs of every task", within=60)
         await db.fetch("UPDATE scheduler_plugin_tasks SET paused = true WHERE name LIKE 't%'")
 
         async def settled() -> bool:
@@ -806,11 +803,18 @@ async def test_history_is_trimmed_to_its_count_off_the_tick_each_task_at_its_own
         await at_least(db, "purge_runs", "succeeded", 2)
     kept = {n: len(await db.runs(n)) for n in names}
     assert kept == dict.fromkeys(names, 4)
-    after = {n: await db.task(n) for n in names}
-    for n, row in after.items():
-        assert row["history_trim_at"] > row["run_count"], row
-        assert (row["history_trim_at"] + name_hash(n)) % 4 == 0, row
-    assert len({row["history_trim_at"] % 4 for row in after.values()}) > 1, after
+    flags = await db.fetch(
+        "SELECT count(*) AS n FROM scheduler_plugin_tasks WHERE history_trim_due"
+    )
+    assert flags == [{"n": 0}], "each mark cleared once trimmed"
+    # Each comes due when its run count plus its phase is a multiple of 4: the phases
+    # differ (PostgreSQL: the name's hash; SQLite: the rowid, consecutive for tasks made
+    # together).
+    phase = "shard_hash" if db.backend == "postgres" else "rowid"
+    phases = await db.fetch(
+        f"SELECT {phase} % 4 AS p FROM scheduler_plugin_tasks WHERE name LIKE 't%'"
+    )
+    assert len({abs(row["p"]) for row in phases}) > 1, phases
 
 
 async def test_purge_runs_deletes_history_older_than_its_max_age(database_url: str, db: Db) -> None:

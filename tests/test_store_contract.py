@@ -181,7 +181,9 @@ async def test_claim_is_compare_and_set_and_one_running_run_per_schedule(store: 
     # The slot itself can never be taken twice.
     async with store.transaction() as tx:
         await PluginStore(tx).finish(
-            [RunResult(claimed[0].id, "a", claimed[0].slot, "succeeded", None, now)], max_failures=5
+            [RunResult(claimed[0].id, "a", claimed[0].slot, "succeeded", None, now)],
+            max_failures=5,
+            trim_every=100,
         )
     async with store.transaction() as tx:
         twice = await PluginStore(tx).claim(
@@ -235,6 +237,7 @@ async def test_finish_counts_failures_pauses_and_trims(store: Store) -> None:
     now = await now_of(store)
     await add(store, "f", now - timedelta(minutes=10))
     slots = [now - timedelta(minutes=10) + timedelta(seconds=i) for i in range(5)]
+    due: list[list[str]] = []  # after each result: the schedules marked due a trim
     for i, slot in enumerate(slots):
         async with store.transaction() as tx:
             plugin = PluginStore(tx)
@@ -244,14 +247,21 @@ async def test_finish_counts_failures_pauses_and_trims(store: Store) -> None:
             finished = await plugin.finish(
                 [RunResult(run.id, "f", slot, "failed", "boom\x00" if i == 0 else "boom", now)],
                 max_failures=3,
+                trim_every=2,
             )
+            due.append(await plugin.trims_due(limit=10))
         assert finished[0].consecutive_failures == i + 1
         assert finished[0].paused == (i + 1 >= 3)
         assert finished[0].run_count == i + 1
         async with store.transaction() as tx:  # a paused schedule is claimed no more
             await tx.run("UPDATE scheduler_plugin_tasks SET paused = false")
+    # Marked due a trim within its first 2 runs (at its phase), and so until trimmed.
+    assert due[1] == due[2] == due[3] == due[4] == ["f"], due
     async with store.transaction() as tx:
-        assert await PluginStore(tx).trim(["f"], keep=2) == 3
+        plugin = PluginStore(tx)
+        assert await plugin.trim(["f"], keep=2) == 3
+        await plugin.trims_done(["f"])
+        assert await plugin.trims_due(limit=10) == []
     kept = await rows(store, "SELECT slot FROM scheduler_plugin_runs ORDER BY slot")
     assert [r["slot"] for r in kept] == slots[-2:]
 
@@ -412,9 +422,9 @@ async def test_a_sharded_scope_keeps_to_its_shards_while_their_tokens_are_curren
             assert claimed, "shard 0 claims"
             assert {c.name for c in claimed} == {n for n, s in shard_of.items() if s == 0}
             results = [RunResult(c.id, c.name, c.slot, "succeeded", None, now) for c in claimed]
-            assert await scoped({0: 11}).finish(results, 5) == [], "shard 0's token is 10"
+            assert await scoped({0: 11}).finish(results, 5, 100) == [], "shard 0's token is 10"
             assert await scoped({0: 11}).abandon("gone", []) == []
-            assert len(await scoped({0: 10}).finish(results, 5)) == len(results)
+            assert len(await scoped({0: 10}).finish(results, 5, 100)) == len(results)
 
 
 # -- the publish loop's store (db/publish_store.py) -----------------------------------------

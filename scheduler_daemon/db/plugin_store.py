@@ -99,13 +99,6 @@ class HistoryStep:
 
 
 @dataclass(frozen=True, slots=True)
-class TrimState:
-    name: str
-    run_count: int
-    trim_at: int | None
-
-
-@dataclass(frozen=True, slots=True)
 class FinishedSchedule:
     name: str
     consecutive_failures: int
@@ -241,8 +234,10 @@ class PluginStore:
         await self.tx.query("plugin_refuse", refused=payload)
 
     async def finish(
-        self, results: Sequence[RunResult], max_failures: int
+        self, results: Sequence[RunResult], max_failures: int, trim_every: int
     ) -> list[FinishedSchedule]:
+        """Write the results, count failures (pausing at ``max_failures`` in a row) and mark
+        a schedule's history due a trim every ``trim_every`` of its runs."""
         payload = _json(
             {
                 "id": r.id,
@@ -254,7 +249,11 @@ class PluginStore:
             for r in results
         )
         rows = await self.tx.query(
-            "plugin_finish", results=payload, max_failures=max_failures, **self._scope
+            "plugin_finish",
+            results=payload,
+            max_failures=max_failures,
+            trim_every=trim_every,
+            **self._scope,
         )
         return [
             FinishedSchedule(
@@ -285,16 +284,13 @@ class PluginStore:
         first = rows[0]
         return HistoryStep(first["action"], first["target"], sum(int(r["rows"]) for r in rows))
 
-    async def trim_page(self, after: str, limit: int) -> list[TrimState]:
-        """Up to ``limit`` schedules after ``after`` in name order, with their run count and
-        the count at which their history is trimmed next (None: not planned)."""
-        rows = await self.tx.query("plugin_trim_page", after=after, limit=limit)
-        return [TrimState(r["name"], r["run_count"], r["history_trim_at"]) for r in rows]
+    async def trims_due(self, limit: int) -> list[str]:
+        """Up to ``limit`` schedules whose history is due a trim, in name order."""
+        rows = await self.tx.query("plugin_trim_due", limit=limit)
+        return [row["name"] for row in rows]
 
-    async def plan_trims(self, plans: dict[str, int]) -> None:
-        """Record each schedule's next trim (the run count it waits for)."""
-        payload = json.dumps([{"name": n, "trim_at": at} for n, at in plans.items()])
-        await self.tx.query("plugin_trim_plan", plans=payload)
+    async def trims_done(self, names: Sequence[str]) -> None:
+        await self.tx.query("plugin_trim_done", names=list(names))
 
     async def trim(self, names: Sequence[str], keep: int) -> int:
         """Delete the finished runs of ``names`` older than their newest ``keep``; return how

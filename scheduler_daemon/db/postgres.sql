@@ -897,6 +897,9 @@ SET last_finished_at = f.finished_at, last_status = f.status, last_error = f.err
                                 ELSE t.consecutive_failures + 1 END,
     paused = t.paused OR (f.status <> 'succeeded'
                           AND t.consecutive_failures + 1 >= :max_failures),
+    -- Every :trim_every runs, at the schedule's own phase (its name's hash: schedules made
+    -- together, whose counts move in step, do not all come due at once).
+    history_trim_due = t.history_trim_due OR (t.run_count + t.shard_hash) % :trim_every = 0,
     updated_at = now()
 FROM finished f
 WHERE t.name = f.name
@@ -914,16 +917,13 @@ USING (SELECT n.name, c.slot AS cutoff
 WHERE p.name = old.name AND p.slot <= old.cutoff AND p.status <> 'running'
 RETURNING p.id
 
--- name: plugin_trim_page
--- A page of schedules in name order (the primary key) with what decides their next trim.
-SELECT name, run_count, history_trim_at FROM scheduler_plugin_tasks
-WHERE name > :after ORDER BY name LIMIT :limit
+-- name: plugin_trim_due
+-- Schedules whose history is due a trim (the partial index: only those), in name order.
+SELECT name FROM scheduler_plugin_tasks WHERE history_trim_due ORDER BY name LIMIT :limit
 
--- name: plugin_trim_plan
--- Each schedule's run count at which its history is trimmed next.
-UPDATE scheduler_plugin_tasks t SET history_trim_at = p.trim_at
-FROM jsonb_to_recordset(:plans::text::jsonb) AS p(name text, trim_at bigint)
-WHERE t.name = p.name
+-- name: plugin_trim_done
+UPDATE scheduler_plugin_tasks SET history_trim_due = false
+WHERE name = ANY(:names::text[]) AND history_trim_due
 
 -- name: runs_maintain
 -- One step of the history's upkeep (migration 0012: days made ahead, days dropped whole

@@ -277,6 +277,8 @@ SET last_finished_at = f.finished_at, last_status = f.status, last_error = f.err
                                 ELSE t.consecutive_failures + 1 END,
     paused = t.paused OR (f.status <> 'succeeded'
                           AND t.consecutive_failures + 1 >= :max_failures),
+    -- As PostgreSQL's, the phase from the rowid (schedules made together: consecutive).
+    history_trim_due = t.history_trim_due OR (t.run_count + t.rowid) % :trim_every = 0,
     updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
 FROM temp.scheduler_finished AS f
 WHERE t.name = f.name
@@ -290,14 +292,12 @@ WHERE status <> 'running' AND name IN (SELECT value FROM json_each(:names))
                ORDER BY r.slot DESC LIMIT 1 OFFSET :keep)
 RETURNING id
 
--- name: plugin_trim_page
-SELECT name, run_count, history_trim_at FROM scheduler_plugin_tasks
-WHERE name > :after ORDER BY name LIMIT :limit
+-- name: plugin_trim_due
+SELECT name FROM scheduler_plugin_tasks WHERE history_trim_due ORDER BY name LIMIT :limit
 
--- name: plugin_trim_plan
-UPDATE scheduler_plugin_tasks AS t SET history_trim_at = json_extract(p.value, '$.trim_at')
-FROM json_each(:plans) AS p
-WHERE t.name = json_extract(p.value, '$.name')
+-- name: plugin_trim_done
+UPDATE scheduler_plugin_tasks SET history_trim_due = 0
+WHERE name IN (SELECT value FROM json_each(:names)) AND history_trim_due
 
 -- name: runs_maintain
 -- SQLite's history is one table: its upkeep is deleting by age, oldest first. Of the

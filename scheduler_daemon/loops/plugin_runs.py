@@ -41,6 +41,7 @@ from ..leadership import Lease, PendingHold
 from ..logs import Logger
 from ..metrics import Metrics
 from ..plugins.context import TaskContext
+from ..plugins.retention import trim_every
 from ..plugins.tasks import TaskSpec
 from ..plugins.worker_process import WorkerJob
 from ..plugins.workers import WorkerFailed, Workers
@@ -261,10 +262,11 @@ class PluginRuns:
                 )  # fmt: skip
 
     async def _finish(self, store: PluginStore, ended: Sequence[Ended]) -> list[FinishedSchedule]:
-        """Results written. History is trimmed elsewhere (plugins/retention.py, the
-        built-in purge_runs): nothing of retention runs on the tick's path."""
+        """Results written, and schedules marked due a trim every so many runs: the
+        built-in purge_runs trims them (plugins/retention.py), never the tick."""
         limit = self.settings.plugin.max_consecutive_failures
-        return await store.finish([e.result for e in ended], limit)
+        every = trim_every(self.settings.plugin.history)
+        return await store.finish([e.result for e in ended], limit, every)
 
     def _track(self, spec: TaskSpec, task: asyncio.Task[Any]) -> None:
         name = spec.name

@@ -5,10 +5,12 @@ Two bounds, whichever keeps fewer (docs/operations.md, "Run history"):
 - by age, ``plugin.history_max_age``: on PostgreSQL the history is partitioned by day of
   slot (migration 0012) and goes a whole day at a time, never row by row; the same upkeep
   makes the days ahead. On SQLite the oldest runs are deleted in batches.
-- by count, ``plugin.history`` runs per schedule: each schedule is trimmed every so many
-  of its runs, at its own phase of that cycle (a hash of its name), so that schedules
-  created together, whose run counts move in step, do not all trim in one second. A sweep
-  in name order finds the schedules due a trim, a page at a time.
+- by count, ``plugin.history`` runs per schedule: the results' write marks a schedule due
+  a trim every so many of its runs, at its own phase of that cycle (a hash of its name),
+  so that schedules created together, whose run counts move in step, do not all come due
+  at once; this task trims those marked, found through a partial index (it never reads
+  every schedule: at a million, reading them all each minute cost the leader more than
+  its runs).
 
 Each step is a short transaction of its own on the leader's fenced connection: between
 two of them the loop's ticks go on. A day emptied by the count (a busy schedule's history
@@ -19,12 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..db.plugin_store import PluginStore, TrimState
+from ..db.plugin_store import PluginStore
 from .context import TaskContext
-from .schedule import name_hash
 
 # Days of partitions made ahead of today: the upkeep runs every minute, so two days leave a
 # leader-less or failing upkeep two days before runs fall into the default partition.
@@ -35,14 +35,12 @@ AHEAD_DAYS = 2
 LOCK_TIMEOUT = 0.1
 # Runs moved or deleted per transaction.
 BATCH = 1000
-# Schedules read per transaction by the count's sweep, and trimmed per transaction (each
-# trim deletes up to `trim_every` runs).
-SWEEP_PAGE = 1000
+# Schedules trimmed per transaction (each trim deletes about `trim_every` runs).
 TRIM_CHUNK = 50
 # What one run of purge_runs spends at most, under its 5-minute timeout: a backlog (10
 # million runs of a pre-0012 table to move took 12 minutes) goes on at the next run rather
 # than be cut off by the timeout, which counts as a failure and pauses the task after 5.
-# The age's upkeep leaves the last minute of it to the count's sweep.
+# The age's upkeep leaves the last minute of it to the count's trims.
 WORK_BUDGET = 240.0
 SWEEP_SHARE = 60.0
 
@@ -57,12 +55,6 @@ def trim_every(keep: int) -> int:
     """How many runs a schedule has between two trims: the history stays between ``keep``
     and ``keep`` + this many rows."""
     return max(1, min(100, keep))
-
-
-def next_trim(run_count: int, name: str, every: int) -> int:
-    """The run count, after ``run_count``, at which ``name`` is trimmed next: a multiple of
-    ``every``, shifted by the name's own phase."""
-    return run_count + every - (run_count + name_hash(name)) % every
 
 
 async def keep_young(ctx: TaskContext, max_age: float, deadline: float) -> AgeUpkeep:
@@ -95,34 +87,19 @@ async def keep_young(ctx: TaskContext, max_age: float, deadline: float) -> AgeUp
 
 
 async def trim_to_count(ctx: TaskContext, keep: int, deadline: float) -> int:
-    """One sweep of the schedules (until the monotonic ``deadline``: the next run starts
-    over): those due a trim lose their runs beyond the newest ``keep``; those never
-    planned get their first trim planned. Returns runs deleted."""
-    every = trim_every(keep)
-    after, trimmed = "", 0
+    """The schedules marked due a trim lose their runs beyond the newest ``keep``, a chunk
+    per transaction, paced as the age's steps are, until none is left or the monotonic
+    ``deadline`` passes (the next run goes on). Returns runs deleted."""
+    trimmed = 0
     while not ctx.cancelled.is_set() and time.monotonic() < deadline:
+        started = time.monotonic()
         async with ctx.transaction() as tx:
-            page = await PluginStore(tx).trim_page(after, SWEEP_PAGE)
-        due = [s for s in page if s.trim_at is not None and s.run_count >= s.trim_at]
-        for start in range(0, len(due), TRIM_CHUNK):
-            if ctx.cancelled.is_set() or time.monotonic() >= deadline:
-                return trimmed
-            trimmed += await _trim(ctx, due[start : start + TRIM_CHUNK], keep, every)
-        unplanned = {
-            s.name: next_trim(s.run_count, s.name, every) for s in page if s.trim_at is None
-        }
-        if unplanned:
-            async with ctx.transaction() as tx:
-                await PluginStore(tx).plan_trims(unplanned)
-        if len(page) < SWEEP_PAGE:
+            store = PluginStore(tx)
+            names = await store.trims_due(TRIM_CHUNK)
+            if names:
+                trimmed += await store.trim(names, keep)
+                await store.trims_done(names)
+        if len(names) < TRIM_CHUNK:
             break
-        after = page[-1].name
+        await asyncio.sleep(time.monotonic() - started)
     return trimmed
-
-
-async def _trim(ctx: TaskContext, schedules: Sequence[TrimState], keep: int, every: int) -> int:
-    async with ctx.transaction() as tx:
-        store = PluginStore(tx)
-        deleted = await store.trim([s.name for s in schedules], keep)
-        await store.plan_trims({s.name: next_trim(s.run_count, s.name, every) for s in schedules})
-    return deleted

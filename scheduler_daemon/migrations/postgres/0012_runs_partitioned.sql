@@ -16,10 +16,15 @@
 -- running run and advances the schedule's row by compare-and-set in the same statement,
 -- so two claims of one schedule queue on that row and the second finds it moved.
 
--- When each schedule's history is trimmed to plugin.history next: the run count it waits
--- for, planned by the built-in purge_runs (plugins/retention.py), off the tick, where the
--- results' write used to trim. NULL: not planned yet. (No default to fill: instant.)
-ALTER TABLE scheduler_plugin_tasks ADD COLUMN history_trim_at bigint;
+-- A schedule whose history is due a trim to plugin.history: set by the results' write
+-- every so many runs of it, at its own phase (db/postgres.sql plugin_finish: in the update
+-- it makes anyway), cleared by the built-in purge_runs once trimmed (plugins/retention.py),
+-- which finds them through the partial index: what it reads is what is due, never every
+-- schedule. The results' write used to trim in the tick. A constant default: instant, and
+-- the updates that leave the flag as it was stay HOT.
+ALTER TABLE scheduler_plugin_tasks ADD COLUMN history_trim_due boolean NOT NULL DEFAULT false;
+CREATE INDEX scheduler_plugin_tasks_trim_due_idx
+    ON scheduler_plugin_tasks (name) WHERE history_trim_due;
 
 ALTER TABLE scheduler_plugin_runs RENAME TO scheduler_plugin_runs_0011;
 ALTER INDEX scheduler_plugin_runs_pkey RENAME TO scheduler_plugin_runs_0011_pkey;
