@@ -9,7 +9,7 @@ from typing import Any
 from ..config.settings import Settings
 from ..db.publish_store import PublishStore
 from .context import TaskContext
-from .retention import BATCH, SWEEP_SHARE, WORK_BUDGET, keep_young, trim_to_count
+from .retention import BATCH, TRIM_SHARE, WORK_BUDGET, keep_young, trim_to_count
 
 # Rows deleted per transaction: each batch is a short transaction of its own (on the
 # leader's lock connection, between its ticks), so a purge of a million rows never holds
@@ -40,7 +40,7 @@ def builtin_tasks(settings: Settings) -> list[Mapping[str, Any]]:
         """Keep the run history within ``plugin.history_max_age`` and ``plugin.history``
         runs per task (plugins/retention.py); on PostgreSQL, make its days ahead too."""
         deadline = time.monotonic() + WORK_BUDGET
-        aged = await keep_young(ctx, history_age, deadline - SWEEP_SHARE)
+        aged = await keep_young(ctx, history_age, deadline - TRIM_SHARE)
         trimmed = await trim_to_count(ctx, history, deadline)
         if aged.rows or trimmed:
             ctx.log.info(

@@ -42,7 +42,7 @@ TRIM_CHUNK = 50
 # than be cut off by the timeout, which counts as a failure and pauses the task after 5.
 # The age's upkeep leaves the last minute of it to the count's trims.
 WORK_BUDGET = 240.0
-SWEEP_SHARE = 60.0
+TRIM_SHARE = 60.0
 
 
 @dataclass(frozen=True, slots=True)
