@@ -52,7 +52,10 @@ async def insert_rate(admin: str, count: int) -> float:
 async def case(admin: str, workdir: Path, count: int, window: float) -> dict[str, Any]:
     period = count / RATE
     async with Leader(admin, workdir, count, every=period) as leader:
-        t0 = await leader.set_slots(1.0)
+        # T0 far enough ahead for the UPDATE that sets a million slots to commit first (it
+        # rewrites every row and its index entries: about 10 s here); with the default 2 s
+        # the first seconds of slots were due before they were visible, and late by that.
+        t0 = await leader.set_slots(1.0, lead=2.0 + count / 25_000)
         t_end = t0 + timedelta(seconds=window)
         await leader.sleep_until(t0)
         rss_start = rss_mb(leader.pid)

@@ -9,6 +9,7 @@ does, through ``PluginStore.maintain_history``, and look at the catalog.
 from __future__ import annotations
 
 import asyncio
+import os
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -116,6 +117,35 @@ async def test_a_day_goes_whole_once_older_than_the_max_age_and_strays_by_age(
     assert names == {"stray-young"}
 
 
+async def test_a_day_with_a_run_in_flight_stays_until_it_ends(pg_url: str) -> None:
+    """A run still going (a long one, or a late slot) keeps its day: dropping it would
+    lose the row its result is written to."""
+    old_day = day_of(datetime.now(UTC)) - 30 * DAY
+    await aexecute(
+        pg_url,
+        f"CREATE TABLE {part(old_day)} PARTITION OF scheduler_plugin_runs "
+        f"FOR VALUES FROM ('{old_day.isoformat()}') TO ('{(old_day + DAY).isoformat()}')",
+    )
+    await add_run(pg_url, "going", old_day + timedelta(hours=1), status="running")
+    await add_run(pg_url, "done", old_day + timedelta(hours=2))
+    steps = await until_idle(pg_url)
+    assert not [s for s in steps if s.target == part(old_day)], steps
+    await afetch(
+        pg_url, "UPDATE scheduler_plugin_runs SET status = 'succeeded' WHERE name = 'going'"
+    )
+    steps = await until_idle(pg_url)
+    assert HistoryStep("dropped", part(old_day), 2) in steps
+
+
+async def test_the_upkeep_refuses_numbers_out_of_range(pg_url: str) -> None:
+    """Its caller may drop its own history, as it may delete it, but not make a thousand
+    tables or wait on locks for ever."""
+    for keep, ahead, batch, lock_ms in ((0, 2, 10, 100), (WEEK, 1000, 10, 100),
+                                        (WEEK, 2, 10**7, 100), (WEEK, 2, 10, 0)):  # fmt: skip
+        with pytest.raises(asyncpg.RaiseError, match="out of range"):
+            await step(pg_url, keep=keep, ahead=ahead, batch=batch, lock_ms=lock_ms)
+
+
 async def test_a_past_day_the_count_emptied_goes_and_one_with_a_run_stays(pg_url: str) -> None:
     today = day_of(datetime.now(UTC))
     days = [today - 3 * DAY, today - 2 * DAY]
@@ -212,9 +242,26 @@ async def test_a_history_from_before_partitioning_moves_in_batches(
             now,
         )
         [before] = await conn.fetch("SELECT max(id) AS id FROM scheduler_plugin_runs")
+        role = f"runs_runtime_{rows}_{os.getpid()}"
+        await conn.execute(f"DROP ROLE IF EXISTS {role}")
+        await conn.execute(f"CREATE ROLE {role}")
+        await conn.execute(
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON scheduler_plugin_runs TO {role}"
+        )
     finally:
         await conn.close()
     await asyncio.to_thread(migrate, pg_empty_url)  # `scheduler-daemon migrate`: 0012
+    # The runtime role of docs/security.md keeps its grants on the history, and may call
+    # the upkeep that purge_runs now runs.
+    [grants] = await afetch(
+        pg_empty_url,
+        "SELECT has_table_privilege($1, 'scheduler_plugin_runs', 'DELETE') AS runs, "
+        "has_function_privilege($1, 'scheduler_runs_maintain(float8, integer, integer, "
+        "integer)', 'EXECUTE') AS upkeep",
+        role,
+    )
+    await aexecute(pg_empty_url, f"DROP OWNED BY {role}", f"DROP ROLE {role}")
+    assert grants == {"runs": True, "upkeep": True}
     [flight] = await afetch(
         pg_empty_url,
         "SELECT tableoid::regclass::text AS t, status FROM "

@@ -180,7 +180,8 @@ class PluginSettings(Section):
     # A task that fails this many times in a row is paused (resume with `tasks resume`).
     max_consecutive_failures: int = Field(default=5, ge=1, le=_PG_INT_MAX)
     # Run history kept in scheduler_plugin_runs: at most `history` rows per task, and none
-    # older than `history_max_age` (by when it started), whichever keeps fewer. The built-in
+    # older than `history_max_age` (by its slot's day on PostgreSQL, by when it started on
+    # SQLite), whichever keeps fewer. The built-in
     # task purge_runs keeps both, off the tick (plugins/retention.py); on PostgreSQL the age
     # goes by whole days (partitions), so up to a day more is kept.
     history: int = Field(default=1000, ge=1, le=_PG_INT_MAX)

@@ -182,10 +182,14 @@ sizes AS (
            sum(pg_total_relation_size(tree.relid))::bigint AS total_bytes,
            coalesce(sum(s.n_live_tup), 0)::bigint AS live_rows,
            coalesce(sum(s.n_dead_tup), 0)::bigint AS dead_rows,
+           -- (Of the partitions holding rows: days made ahead are empty, never vacuumed.)
            CASE WHEN bool_or(greatest(s.last_vacuum, s.last_autovacuum) IS NULL)
-                     FILTER (WHERE c.relkind <> 'p') THEN NULL
+                     FILTER (WHERE c.relkind <> 'p'
+                             AND coalesce(s.n_live_tup, 0) + coalesce(s.n_dead_tup, 0) > 0)
+                THEN NULL
                 ELSE min(greatest(s.last_vacuum, s.last_autovacuum))
-                     FILTER (WHERE c.relkind <> 'p')
+                     FILTER (WHERE c.relkind <> 'p'
+                             AND coalesce(s.n_live_tup, 0) + coalesce(s.n_dead_tup, 0) > 0)
            END AS last_vacuum,
            coalesce(sum(s.vacuum_count), 0)::bigint AS vacuum_count,
            coalesce(sum(s.autovacuum_count), 0)::bigint AS autovacuum_count

@@ -125,6 +125,9 @@ async def _apply_outside(
         done = {row["version"] for row in await conn.fetch(QUERIES["applied_versions"])}
         if migration.version in done:  # another replica did it while we waited
             return
+        # Not under the session's statement_timeout (30 s by default): an index built
+        # concurrently on a big table takes minutes, and a retry starts it over.
+        await conn.execute(QUERIES["statement_timeout_off"])
         for statement in migration.statements:
             await conn.execute(statement)
         async with conn.transaction():

@@ -48,7 +48,7 @@ class Migration:
 
     @property
     def transactional(self) -> bool:
-        return OUTSIDE_A_TRANSACTION not in self.sql.splitlines()
+        return OUTSIDE_A_TRANSACTION not in (line.strip() for line in self.sql.splitlines())
 
     @property
     def statements(self) -> list[str]:

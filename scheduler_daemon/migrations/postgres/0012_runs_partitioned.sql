@@ -51,6 +51,23 @@ CREATE TABLE scheduler_plugin_runs (
     CONSTRAINT scheduler_plugin_runs_slot_key UNIQUE (name, slot)
 ) PARTITION BY RANGE (slot);
 
+-- Whoever was granted the old table is granted the new one (a runtime role of
+-- docs/security.md, which this migration must not lock out of its runs).
+DO $$
+DECLARE
+    g record;
+BEGIN
+    FOR g IN
+        SELECT a.privilege_type,
+               CASE WHEN a.grantee = 0 THEN 'PUBLIC'
+                    ELSE quote_ident(pg_get_userbyid(a.grantee)) END AS grantee
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = 'scheduler_plugin_runs_0011'::regclass AND a.grantee <> c.relowner
+    LOOP
+        EXECUTE format('GRANT %s ON scheduler_plugin_runs TO %s', g.privilege_type, g.grantee);
+    END LOOP;
+END $$;
+
 -- Ids go on from the old table's: an id names one run for good (logs, the dashboard).
 SELECT setval(pg_get_serial_sequence('scheduler_plugin_runs', 'id'),
               nextval(pg_get_serial_sequence('scheduler_plugin_runs_0011', 'id')));
@@ -88,7 +105,12 @@ DECLARE
     today timestamptz := date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC';
     horizon timestamptz := now() - make_interval(secs => keep_seconds);
     -- The old table, while it has runs to copy (the migration drops it if it has none).
-    legacy boolean := to_regclass('scheduler_plugin_runs_0011') IS NOT NULL;
+    -- Only this function's owner's own table (anyone who may create in this schema could
+    -- otherwise put a view of that name here, for the owner to read).
+    legacy boolean := EXISTS (
+        SELECT 1 FROM pg_class c
+        WHERE c.oid = to_regclass('scheduler_plugin_runs_0011'::text) AND c.relkind = 'r'
+          AND c.relowner = (SELECT oid FROM pg_roles WHERE rolname = current_user));
     day timestamptz;
     part text;
     taken_n bigint;
@@ -96,7 +118,15 @@ DECLARE
     n bigint;
     r record;
 BEGIN
-    PERFORM set_config('lock_timeout', lock_ms::text, true);
+    -- The caller's numbers, kept sane (it may drop its history, as it may delete it; it
+    -- may not make a thousand tables).
+    IF keep_seconds IS NULL OR keep_seconds <= 0 OR ahead_days NOT BETWEEN 0 AND 31
+       OR batch NOT BETWEEN 0 AND 100000 OR lock_ms NOT BETWEEN 1 AND 600000 THEN
+        RAISE EXCEPTION 'scheduler_runs_maintain: arguments out of range';
+    END IF;
+    -- Restricted to this call by the function's own SET lock_timeout (below): it does not
+    -- outlive it in the caller's transaction.
+    PERFORM set_config('lock_timeout'::text, lock_ms::text, true);
     -- Today and the days ahead; while the old table has rows to move, the days back to
     -- the horizon too (no past day otherwise: an emptied one is not made again).
     FOR day IN SELECT generate_series(
@@ -105,7 +135,7 @@ BEGIN
                         ELSE today END,
                    today + make_interval(days => ahead_days), interval '1 day') LOOP
         part := 'scheduler_plugin_runs_' || to_char(day AT TIME ZONE 'UTC', 'YYYYMMDD');
-        CONTINUE WHEN to_regclass(part) IS NOT NULL
+        CONTINUE WHEN to_regclass(part::text) IS NOT NULL
                       OR day + interval '1 day' <= horizon;  -- it would go at the next step
         IF EXISTS (SELECT 1 FROM scheduler_plugin_runs_default
                    WHERE slot >= day AND slot < day + interval '1 day') THEN
@@ -121,7 +151,7 @@ BEGIN
                 'autovacuum_vacuum_insert_scale_factor = 0.01)', part);
             EXECUTE format('ALTER TABLE scheduler_plugin_runs ATTACH PARTITION %I '
                            'FOR VALUES FROM (%L) TO (%L)', part, day, day + interval '1 day');
-        EXCEPTION WHEN lock_not_available THEN
+        EXCEPTION WHEN lock_not_available OR duplicate_table THEN  -- (or made meanwhile)
             RETURN QUERY SELECT 'busy', part, 0::bigint;
             RETURN;
         END;
@@ -130,32 +160,36 @@ BEGIN
     END LOOP;
 
     -- Whole days out: older than the horizon, or past and empty (the per-task count
-    -- trimmed them). reltuples 0: the last vacuum found none live; -1: never vacuumed.
-    -- Either way looked at, since a row may have come since (a late slot).
+    -- trimmed them; reltuples 0: the last vacuum found none live, -1: never vacuumed).
+    -- Locked first, then looked at (a late slot may have come; a run may still be going:
+    -- a day with a run in flight stays until it ends), then dropped.
     FOR r IN
         SELECT c.relname::text AS relname, c.reltuples,
-               to_date(right(c.relname, 8), 'YYYYMMDD')::timestamp AT TIME ZONE 'UTC'
-                   + interval '1 day' AS upper_bound
+               to_date(right(c.relname::text, 8), 'YYYYMMDD'::text)::timestamp
+                   AT TIME ZONE 'UTC' + interval '1 day' AS upper_bound
         FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
         WHERE i.inhparent = 'scheduler_plugin_runs'::regclass
           AND c.relname ~ '^scheduler_plugin_runs_[0-9]{8}$'
         ORDER BY c.relname
     LOOP
-        IF r.upper_bound <= horizon THEN
-            n := greatest(r.reltuples, 0);
-        ELSIF NOT legacy AND r.upper_bound <= today AND r.reltuples <= 0 THEN
-            EXECUTE format('SELECT count(*) FROM (SELECT 1 FROM %I LIMIT 1) x', r.relname)
-                INTO n;
-            CONTINUE WHEN n > 0;
-        ELSE
-            CONTINUE;
-        END IF;
+        CONTINUE WHEN NOT (r.upper_bound <= horizon
+                           OR (NOT legacy AND r.upper_bound <= today AND r.reltuples <= 0));
         BEGIN
-            EXECUTE format('DROP TABLE %I', r.relname);
+            EXECUTE format('LOCK TABLE scheduler_plugin_runs, %I IN ACCESS EXCLUSIVE MODE',
+                           r.relname);
         EXCEPTION WHEN lock_not_available THEN
             RETURN QUERY SELECT 'busy', r.relname, 0::bigint;
             RETURN;
         END;
+        EXECUTE format('SELECT count(*) FROM %I WHERE status = ''running''', r.relname) INTO n;
+        CONTINUE WHEN n > 0;
+        IF r.upper_bound > horizon THEN
+            EXECUTE format('SELECT count(*) FROM (SELECT 1 FROM %I LIMIT 1) x', r.relname)
+                INTO n;
+            CONTINUE WHEN n > 0;
+        END IF;
+        EXECUTE format('SELECT count(*) FROM %I', r.relname) INTO n;
+        EXECUTE format('DROP TABLE %I', r.relname);
         RETURN QUERY SELECT CASE WHEN r.upper_bound <= horizon THEN 'dropped' ELSE 'emptied' END,
                             r.relname, n;
         RETURN;
@@ -213,13 +247,36 @@ BEGIN
 END $$;
 
 -- Its names resolve in this schema alone (a SECURITY DEFINER function must not follow the
--- caller's search_path), and only roles granted it may call it.
+-- caller's search_path; the built-ins it calls take arguments of their exact types, so
+-- that no overload made in this schema is a better match), and only roles granted it may
+-- call it. Its days are UTC days whatever the caller's TimeZone (interval arithmetic
+-- follows it: a day of 23 hours would misalign the partitions). A SET inside it (its
+-- lock_timeout) stays inside.
 DO $$
 BEGIN
     EXECUTE format('ALTER FUNCTION scheduler_runs_maintain(float8, integer, integer, integer) '
                    'SET search_path = %I, pg_temp', current_schema());
 END $$;
+ALTER FUNCTION scheduler_runs_maintain(float8, integer, integer, integer) SET TimeZone = 'UTC';
+ALTER FUNCTION scheduler_runs_maintain(float8, integer, integer, integer)
+    SET lock_timeout = '100ms';
 REVOKE EXECUTE ON FUNCTION scheduler_runs_maintain(float8, integer, integer, integer) FROM PUBLIC;
+-- Those that could delete the old history (purge_runs, which now calls this) may call it.
+DO $$
+DECLARE
+    g record;
+BEGIN
+    FOR g IN
+        SELECT quote_ident(pg_get_userbyid(a.grantee)) AS grantee
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = 'scheduler_plugin_runs_0011'::regclass AND a.grantee NOT IN (0, c.relowner)
+          AND a.privilege_type = 'DELETE'
+    LOOP
+        EXECUTE format('GRANT EXECUTE ON FUNCTION '
+                       'scheduler_runs_maintain(float8, integer, integer, integer) TO %s',
+                       g.grantee);
+    END LOOP;
+END $$;
 
 -- How far the upkeep has copied the old table (its ids, in order). A database with no
 -- history (a new one) has nothing to copy: its old table goes at once.
