@@ -231,9 +231,17 @@ def test_every_line_through_a_database_outage_is_json_without_the_password(
             assert time.monotonic() < deadline, daemon.output()[-3000:]
             time.sleep(0.1)
 
+    def timed_out() -> bool:
+        return any(
+            str(e.get("error", "")).startswith("TimeoutError: ") for e in daemon.log_events()
+        )
+
     started_at = time.time()
     proxy.freeze()
-    time.sleep(5)  # past connect_timeout (2 s) and a heartbeat: timeouts, not refusals
+    # Frozen until the daemon has said so: it loses its locks, then a connect attempt
+    # times out (connect_timeout, 2 s) rather than being refused. A fixed 5 s freeze was
+    # too short on a loaded machine, where noticing the loss took longer than 3 s.
+    wait_until(timed_out, 60, "a connect attempt that timed out through the partition", 0.1)
     proxy.thaw()
     leads_again_after(time.time())
     pg_cluster.stop()
