@@ -21,7 +21,12 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT / "tests"))
 
-from rig.databases import create_database, drop_database, migrate  # noqa: E402
+from rig.databases import (  # noqa: E402
+    create_database,
+    drop_database,
+    migrate,
+    migrate_up_to,  # noqa: F401 (for benchmarks of an upgrade)
+)
 from rig.pgcluster import PgCluster, find_pg_bindir  # noqa: E402
 
 

@@ -43,13 +43,13 @@ from bench.common import (
     bench_arguments,
     create_database,
     drop_database,
+    migrate_up_to,
     percentile,
     save_results,
     start_daemon,
     stop_daemon,
 )
 from bench.growth_tasks import STAMPS
-from scheduler_daemon.db.sqlfiles import migrations
 
 DB = "bench_runs_migration"
 PER_SCHEDULE = 1000
@@ -65,18 +65,7 @@ async def at_0011(admin: str, schedules: int) -> tuple[str, float]:
     dsn = admin.rsplit("/", 1)[0] + f"/{DB}"
     conn = await asyncpg.connect(dsn)
     try:
-        await conn.execute(
-            "CREATE TABLE scheduler_schema_version (version integer PRIMARY KEY, "
-            "name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
-        )
-        for migration in migrations("postgres"):
-            if migration.version <= 11:
-                await conn.execute(migration.sql)
-                await conn.execute(
-                    "INSERT INTO scheduler_schema_version VALUES ($1, $2)",
-                    migration.version,
-                    migration.name,
-                )
+        await migrate_up_to(conn, 11)
         started = time.monotonic()
         names = [f"s{i:07d}" for i in range(schedules)]
         await conn.execute("INSERT INTO scheduler_runnable_targets (target) VALUES ($1)", STAMP)

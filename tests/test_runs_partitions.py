@@ -14,11 +14,10 @@ from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import pytest
-from rig.databases import RIG_APP, migrate
+from rig.databases import RIG_APP, migrate, migrate_up_to
 from rig.sql import aexecute, afetch
 
 from scheduler_daemon.db.plugin_store import HistoryStep
-from scheduler_daemon.db.sqlfiles import migrations
 from scheduler_daemon.plugins.retention import AHEAD_DAYS
 
 DAY = timedelta(days=1)
@@ -215,18 +214,7 @@ async def test_a_history_from_before_partitioning_moves_in_batches(
     conn = await asyncpg.connect(pg_empty_url, server_settings=RIG_APP)
     try:
         async with conn.transaction():
-            await conn.execute(
-                "CREATE TABLE scheduler_schema_version (version integer PRIMARY KEY, "
-                "name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
-            )
-            for migration in migrations("postgres"):
-                if migration.version <= 11:
-                    await conn.execute(migration.sql)
-                    await conn.execute(
-                        "INSERT INTO scheduler_schema_version VALUES ($1, $2)",
-                        migration.version,
-                        migration.name,
-                    )
+            await migrate_up_to(conn, 11)
         now = datetime.now(UTC)
         await conn.execute(
             "INSERT INTO scheduler_plugin_runs (name, slot, instance, started_at, status) "

@@ -11,11 +11,6 @@ from ..db.publish_store import PublishStore
 from .context import TaskContext
 from .retention import BATCH, TRIM_SHARE, WORK_BUDGET, keep_young, trim_to_count
 
-# Rows deleted per transaction: each batch is a short transaction of its own (on the
-# leader's lock connection, between its ticks), so a purge of a million rows never holds
-# a tick up for long.
-PURGE_BATCH = BATCH
-
 
 def builtin_tasks(settings: Settings) -> list[Mapping[str, Any]]:
     retention = settings.publish.retention
@@ -29,9 +24,9 @@ def builtin_tasks(settings: Settings) -> list[Mapping[str, Any]]:
         deadline = time.monotonic() + WORK_BUDGET  # a backlog goes on at the next run
         while not ctx.cancelled.is_set() and time.monotonic() < deadline:
             async with ctx.transaction() as tx:
-                batch = await PublishStore(tx).purge(older_than=retention, limit=PURGE_BATCH)
+                batch = await PublishStore(tx).purge(older_than=retention, limit=BATCH)
             purged += batch
-            if batch < PURGE_BATCH:
+            if batch < BATCH:
                 break
         if purged:
             ctx.log.info("publications.purged", count=purged, retention=retention)

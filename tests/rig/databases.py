@@ -171,3 +171,22 @@ def copy_sqlite(source: Path, target: Path) -> None:
         raise FileNotFoundError(source)
     with closing(sqlite3.connect(source)) as src, closing(sqlite3.connect(target)) as dst:
         src.backup(dst)
+
+
+async def migrate_up_to(conn: asyncpg.Connection, version: int) -> None:
+    """The PostgreSQL migrations up to ``version``, recorded, as an older release's
+    `migrate` left its database: for tests and benchmarks of an upgrade from it."""
+    from scheduler_daemon.db.sqlfiles import migrations
+
+    await conn.execute(
+        "CREATE TABLE scheduler_schema_version (version integer PRIMARY KEY, "
+        "name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+    )
+    for migration in migrations("postgres"):
+        if migration.version <= version:
+            await conn.execute(migration.sql)
+            await conn.execute(
+                "INSERT INTO scheduler_schema_version VALUES ($1, $2)",
+                migration.version,
+                migration.name,
+            )
