@@ -156,11 +156,13 @@ def test_a_sync_target_that_ignores_cancellation_is_killed_with_the_lock(
     """
     log = tmp_path / "effects.jsonl"
     tasks = [task("sync_stubborn"), task("async", every="0.2s")]
-    first = daemons.start(effects_replica_env(pg_url, "k1", log, tasks, 3.0), PLUGIN_ONLY, "k1")
+    first = daemons.start(effects_replica_env(pg_url, "k1", log, tasks, 6.0), PLUGIN_ONLY, "k1")
     first_leader([first])
-    second = daemons.start(effects_replica_env(pg_url, "k2", log, tasks, 3.0), PLUGIN_ONLY, "k2")
+    second = daemons.start(effects_replica_env(pg_url, "k2", log, tasks, 6.0), PLUGIN_ONLY, "k2")
     second.wait_for_log("leader.waiting", loop="plugin")
-    wait_mid_run(log, "k1", {"sync_stubborn", "async"})
+    # Runs begun at most 1.5 s ago, so that 4.5 s pass before the stubborn one would end by
+    # itself: one found 2.9 s into a 3 s run ended before the cut took effect (c6, loaded).
+    wait_mid_run(log, "k1", {"sync_stubborn", "async"}, young=1.5)
     cut_at = terminate(pg_url, lock_backend(pg_url, "k1"))
     lost = wait_for_event(first, "leader.lost", after=cut_at, loop="plugin")
     acquired = wait_for_event(second, "leader.acquired", after=cut_at, loop="plugin")
@@ -169,7 +171,10 @@ def test_a_sync_target_that_ignores_cancellation_is_killed_with_the_lock(
     assert first.poll() is None, "the deposed leader exited: " + first.output()[-2000:]
     stop_all([first, second])
     killed = [run for run in runs_of(log, "k1") if run.outcome == "killed"]
-    assert killed, "the stubborn run was not killed"
+    assert killed, "the stubborn run was not killed: " + "; ".join(
+        f"{run.describe()} (ended {run.end - cut_at:+.2f}s from the cut)"
+        for run in runs_of(log, "k1")
+    )
     noticed = event_time(lost) - cut_at
     print(f"\nlock connection terminated: the leader noticed after {noticed * 1000:.1f} ms, "
           f"its stubborn sync run was killed {(killed[-1].end - cut_at) * 1000:.1f} ms after, "
@@ -261,7 +266,7 @@ def test_a_frozen_leader_resumed_after_eviction_stops_within_the_documented_wind
     first_leader([first])
     second = daemons.start(effects_replica_env(pg_url, "f2", log, tasks, 3.0), PLUGIN_ONLY, "f2")
     second.wait_for_log("leader.waiting", loop="plugin")
-    wait_mid_run(log, "f1", {"async", "sync", "async_checked"})
+    wait_mid_run(log, "f1", {"async", "sync", "async_checked"}, young=1.5)
     stopped_at = time.time()
     first.signal(signal.SIGSTOP)
     wait_for_event(second, "leader.acquired", after=stopped_at, loop="plugin", timeout=30)
@@ -373,6 +378,8 @@ def test_a_run_that_swallows_cancellation_ends_its_process_not_the_exclusion(
     )
     # Competing before the cut: queued on the lock (session), or ticking (transaction).
     second.wait_for_log("leader.waiting" if mode == "session" else "loop.started", loop="plugin")
+    # The cut must land inside a run, not in the gap between two (the last may be ending).
+    wait_mid_run(log, "w1", {"async_stubborn"}, timeout=30, young=1.0)
     holder = fetch(
         pg_url,
         "SELECT l.pid FROM pg_locks l JOIN pg_stat_activity a USING (pid) "

@@ -133,26 +133,35 @@ def runs_of(log: Path, instance: str) -> list[EffectRun]:
     return [run for run in read_effects(log) if run.instance == instance]
 
 
-def in_progress(log: Path, instance: str, started: float = 0.1) -> set[str]:
+def in_progress(
+    log: Path, instance: str, started: float = 0.1, young: float = float("inf")
+) -> set[str]:
     """The kinds of `instance`'s runs going on right now: no final record yet, a beat
-    (every 10 ms) within the last 0.1 s, begun at least `started` s ago."""
+    (every 10 ms) within the last 0.1 s, begun at least `started` s and less than `young`
+    s ago."""
     now = time.time()
     return {
         run.kind
         for run in runs_of(log, instance)
-        if run.outcome == "killed" and now - run.start > started and now - run.end < 0.1
+        if run.outcome == "killed" and started < now - run.start < young and now - run.end < 0.1
     }
 
 
 def wait_mid_run(
-    log: Path, instance: str, kinds: Collection[str] = (), timeout: float = 20.0
+    log: Path,
+    instance: str,
+    kinds: Collection[str] = (),
+    timeout: float = 20.0,
+    young: float = float("inf"),
 ) -> None:
     """Wait until `instance` is in the middle of a run of each of `kinds` (of some run,
-    if none are named): a fault injected now lands inside work."""
+    if none are named): a fault injected now lands inside work. A test that needs the
+    fault to land well before a run's end (a run it expects killed, not ended) says how
+    recently the runs must have begun: `young` s."""
     wanted = set(kinds)
 
     def going() -> bool:
-        found = in_progress(log, instance)
+        found = in_progress(log, instance, young=young)
         return bool(found) and wanted <= found
 
     what = f"{sorted(wanted)} runs" if wanted else "a run"
