@@ -21,7 +21,7 @@ from typing import Any
 
 import asyncpg
 
-from ..errors import describe
+from ..errors import describe, explain_timeouts
 from ..logs import Logger
 from .postgres import PostgresStore, detect_dead_peer
 
@@ -74,7 +74,7 @@ class Listener:
                 conn = self._conn
                 if conn is not None and self.listening:
                     try:
-                        await conn.add_listener(channel, subscription)
+                        await self._listen(conn, channel, subscription)
                     except Exception as exc:
                         if conn is self._conn:  # (not closed meanwhile by unsubscribe)
                             self.log.warning("listen.failed", channel=channel, error=describe(exc))
@@ -108,7 +108,7 @@ class Listener:
             # A dead path must not leave us trusting a LISTEN that hears nothing.
             detect_dead_peer(conn, self.store.settings.lock.step_down_after)
             for channel, subscription in list(self._subscriptions.items()):
-                await conn.add_listener(channel, subscription)
+                await self._listen(conn, channel, subscription)
         except BaseException as exc:
             if conn is not None:
                 conn.terminate()
@@ -126,6 +126,18 @@ class Listener:
         self._conn = conn
         conn.add_termination_listener(self._lost)
         self._wake_all()  # whatever was sent while nobody listened is lost: look again
+
+    async def _listen(
+        self, conn: asyncpg.Connection, channel: str, subscription: _Subscription
+    ) -> None:
+        """LISTEN, within connect_timeout: a path that went silent while the sockets stay
+        up (a proxy or middlebox still acknowledging) would hold the statement, and the
+        lock with it, for as long as it lasts, and a leader starting would wait there,
+        outside any work its lease can stop (tests/test_logs.py froze one so)."""
+        timeout = self.store.settings.database.connect_timeout
+        with explain_timeouts(f"LISTEN {channel}: no answer within {timeout:g}s"):
+            async with asyncio.timeout(timeout):
+                await conn.add_listener(channel, subscription)
 
     def _lost(self, conn: Any) -> None:
         # A loop sleeping long because it trusted the LISTEN must look now, and from now
