@@ -307,11 +307,12 @@ def test_sql_that_drops_the_lock_cannot_end_the_fence(
     pg_url: str, daemons: Daemons, tmp_path: Path
 ) -> None:
     """A SQL task running pg_advisory_unlock_all() used to end leadership while its
-    transaction still committed (and a standby took over beside the leader's runs). The
-    fenced transaction holds the lock at transaction level too, runs the work in a
-    savepoint and restores the session lock before it ends, on every path: the work
-    commits, fails, or is cancelled by its timeout (a session-level unlock is not undone
-    by a rollback). The standby never gets the lock."""
+    transaction still committed (and a standby took over beside the leader's runs). A
+    leader's fenced transactions now run on pooled connections, fenced by the loop's token
+    (leadership/token_fence.py): the task's SQL runs in another session than the lock's,
+    and unlocks nothing of it, on every path: the work commits, fails, or is cancelled by
+    its timeout. The standby never gets the lock, and the lock connection never ran the
+    task's SQL."""
     log = tmp_path / "effects.jsonl"
     unlock = "SELECT pg_advisory_unlock_all()"
     tasks = [
@@ -329,7 +330,6 @@ def test_sql_that_drops_the_lock_cannot_end_the_fence(
         effects_replica_env(pg_url, "u2", log, tasks, 0.2, **env), PLUGIN_ONLY, "u2"
     )
     second.wait_for_log("leader.waiting", loop="plugin")
-    first.wait_for_log("leader.lock_restored", loop="plugin")
 
     def counts() -> dict[tuple[str, str], int]:
         rows = fetch(
@@ -352,6 +352,8 @@ def test_sql_that_drops_the_lock_cannot_end_the_fence(
     stop_all([first, second])
     assert acquired == [], acquired
     assert lost == [], lost
+    restored = [e for e in first.log_events() if e.get("event") == "leader.lock_restored"]
+    assert restored == [], "the task's SQL ran on the lock connection"
     counted = counts()
     assert all(counted.get(key, 0) >= n for key, n in wanted.items()), counted
     check_effects(read_effects(log), min_runs=5)

@@ -188,7 +188,8 @@ def test_the_documented_grants_are_what_the_daemon_checks_for() -> None:
     }
     checked = {
         (kind, name, p) for (kind, name), ps in ALL_FEATURES.items() for p in ps
-        if kind != "procedure"  # PUBLIC's by default: docs/security.md grants none
+        # PUBLIC's by default: docs/security.md grants none
+        if kind != "procedure" and (kind, name) != ("function", "scheduler_fence")
     }  # fmt: skip
     assert documented == checked
 
@@ -225,6 +226,8 @@ def privileges_used(sql: str) -> set[tuple[str, str, str]]:
     if "FROM scheduler_runs_maintain(" in sql:  # the history's upkeep: a function, not a table
         used.discard(("table", "scheduler_runs_maintain", "SELECT"))
         used.add(("function", "scheduler_runs_maintain", "EXECUTE"))
+    if "SELECT scheduler_fence(" in sql:  # session mode's fence: a function, FOR SHARE
+        used.add(("function", "scheduler_fence", "EXECUTE"))
     if "scheduler_fencing_%s_seq" in sql:  # nextval() of the loop's own sequence
         used |= {
             ("sequence", f"scheduler_fencing_{loop}_seq", "USAGE") for loop in ("publish", "plugin")

@@ -45,12 +45,12 @@ def test_both_backends_define_the_same_queries() -> None:
     # Only PostgreSQL has a lock manager to ask (pg_locks) and LISTEN/NOTIFY; a SQLite
     # leader has no session to ask, so it writes its heartbeat instead.
     postgres_only = {
-        "leader_touch", "fence_begin", "fence_restore", "lock_entry", "lock_held", "leader_predecessor", "instance_sessions", "lock_sessions", "notify_published",
+        "leader_touch", "lock_entry", "lock_held", "leader_predecessor", "instance_sessions", "lock_sessions", "notify_published",
         "leaders_forget",
         # The session guard's lock and settings; the transaction guard's (SQLite: flock,
         # and BEGIN IMMEDIATE, its one transaction control statement).
         "session_limits", "lock_try", "lock_wait", "lock_unlock", "statement_timeout_off",
-        "statement_timeout_reset", "fence_compete", "transaction_limits", "backend_pid",
+        "statement_timeout_reset", "fence_compete", "token_fence", "session_clean", "transaction_limits", "backend_pid",
         "hold_queue", "lock_timeout_local", "lock_timeout_default",
         # A statement's own timeout (SQLite: none, busy_timeout for the whole connection).
         "statement_timeout_read", "statement_timeout_local", "statement_timeout_restore",
@@ -166,15 +166,23 @@ def test_a_migration_outside_a_transaction_is_marked_and_split_into_its_statemen
         _ = cut.statements
 
 
-def test_formatted_writes_integers_only() -> None:
-    """``{name}`` placeholders (SET, PRAGMA: no bind parameters) take integers, nothing
-    that could be read as SQL, and every one must be filled."""
+def test_formatted_writes_integers_and_names_only() -> None:
+    """``{name}`` placeholders (SET, PRAGMA: no bind parameters) take integers and the
+    daemon's own names, nothing that could be read as SQL, and every one must be filled."""
     text = queries("postgres")["transaction_limits"]
     filled = formatted(text, stall_ms=1500, statement_ms=30000)
     assert "idle_in_transaction_session_timeout = 1500;" in filled
     assert filled.rstrip().endswith("statement_timeout = 30000")
+    fence = formatted(
+        queries("postgres")["token_fence"], stall_ms=1, check_ms=1, loop="plugin/7", token=5,
+        newest=15,
+    )  # fmt: skip
+    assert "scheduler_fence('plugin/7', 5, 15)" in fence
+    for hostile in ("1500; DROP TABLE x", "plugin'); DROP TABLE x; --", "Plugin"):
+        with pytest.raises(ValueError, match="takes a name"):
+            formatted(text, stall_ms=hostile, statement_ms=1)
     with pytest.raises(TypeError):
-        formatted(text, stall_ms="1500; DROP TABLE x", statement_ms=1)  # type: ignore[arg-type]
+        formatted(text, stall_ms=1.5, statement_ms=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         formatted(text, stall_ms=True, statement_ms=1)
     with pytest.raises(ValueError, match="placeholders"):

@@ -361,30 +361,30 @@ SELECT EXISTS (
 DELETE FROM scheduler_leaders
 WHERE loop = $1 AND lock_key = $2 AND backend_pid = pg_backend_pid()
 
--- name: fence_begin
--- First statement of every fenced transaction on the lock connection: the session holds
--- the lock (false if it somehow lost it), and now this transaction holds it too. The
--- transaction-level hold is re-entrant for the holder, and pg_advisory_unlock_all() does
--- not release it: while it lasts, SQL run inside the transaction cannot free the lock.
--- And the schema version, whose read holds ACCESS SHARE on scheduler_schema_version until
--- the transaction ends: a migration waits for this transaction, and one that committed
--- first is seen (schema_gate.py). One statement: no round trip added to a tick.
-SELECT h.held AND pg_try_advisory_xact_lock($1) AS held,
-       (SELECT max(version) FROM scheduler_schema_version) AS schema_version
-FROM (SELECT EXISTS (
-    SELECT 1 FROM pg_locks
-    WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid() AND objsubid = 1
-      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-      AND classid = (($1::bigint >> 32) & 4294967295)::oid
-      AND objid = ($1::bigint & 4294967295)::oid) AS held) h
+-- name: token_fence
+-- Session mode: what follows BEGIN in every fenced transaction on a pooled connection
+-- (leadership/token_fence.py), sent with it in one round trip. READ COMMITTED whatever the
+-- database's default: the fence's locking read must see a successor's committed token.
+-- A client frozen inside the transaction is cut off after stall_ms (lock.stall_timeout),
+-- which ends its share lock on the fencing row; one killed mid-statement is noticed
+-- within check_ms, not when the statement ends. Then scheduler_fence (migration 0015):
+-- the loop's fencing row FOR SHARE, the token still ours, the schema not newer than this
+-- build knows, or an error (SQLSTATE SDF01, SDF02).
+SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
+SET LOCAL idle_in_transaction_session_timeout = {stall_ms};
+SET LOCAL client_connection_check_interval = {check_ms};
+SELECT scheduler_fence({loop}, {token}, {newest})
 
--- name: fence_restore
--- Last statement before commit: drop one session-level hold and take it again (instant:
--- the transaction-level hold keeps the lock ours meanwhile). `held` is false if SQL in the
--- transaction had released the session lock; either way the session holds it once more
--- when the transaction commits.
-SELECT u.held FROM (SELECT pg_advisory_unlock($1) AS held) u,
-LATERAL (SELECT pg_advisory_lock($1) WHERE u.held IS NOT NULL) l
+-- name: session_clean
+-- After a task's or a publisher's SQL on a pooled connection (session mode), sent with
+-- its COMMIT or ROLLBACK: the session state that SQL may have left behind, which the next
+-- user of the connection must not inherit (asyncpg's own reset, kept for these alone:
+-- the loops' bookkeeping leaves none). RESET ALL goes back to the connection's own
+-- startup settings (its statement_timeout, application_name, keepalives).
+SELECT pg_advisory_unlock_all();
+CLOSE ALL;
+UNLISTEN *;
+RESET ALL
 
 -- name: fence_compete
 -- Transaction mode's fence (leadership/postgres_transaction.py), for deployments behind a
@@ -394,7 +394,7 @@ LATERAL (SELECT pg_advisory_lock($1) WHERE u.held IS NOT NULL) l
 -- transaction, so the work and the lock commit or roll back together, which is the
 -- fencing. Also the server backend's pid (behind a pooler, the client cannot know it; a
 -- hold proves its lock by it, lock_entry), and the schema version, whose read holds ACCESS
--- SHARE on scheduler_schema_version until the transaction ends, as fence_begin's does
+-- SHARE on scheduler_schema_version until the transaction ends, as scheduler_fence's does
 -- (schema_gate.py). One statement: no round trip added to a tick.
 SELECT pg_try_advisory_xact_lock($1) AS won, pg_backend_pid() AS backend,
        (SELECT max(version) FROM scheduler_schema_version) AS schema_version
@@ -577,7 +577,7 @@ SELECT jsonb_build_object(
 -- the session is still a member, and which of shards $4 it holds. Each of those, and the
 -- shared hold on the loop's own key ($5: it keeps a replica that leads unsharded out), is
 -- now held by the transaction too, so SQL run in it (pg_advisory_unlock_all()) cannot
--- free any of them (as fence_begin). And the members' pids: a change says rebalance (a
+-- free any of them. And the members' pids: a change says rebalance (a
 -- member whose ticks prove its locks sends no heartbeat to notice it by).
 -- What the session holds is read first, materialized, and only that is taken at
 -- transaction level: a lock tried before the check (the planner may order a filter so)

@@ -4,7 +4,8 @@ A queries file is a list of blocks, each introduced by a line ``-- name: <query_
 the block's text up to the next such line is the statement (or, where a block says so,
 the statements). Parameters are the driver's (``$1``, ``?``) or named (``:name``, see
 :func:`positional`); a statement that takes no bind parameters (``SET``, ``PRAGMA``) has
-``{name}`` placeholders instead, which :func:`formatted` fills with integers only.
+``{name}`` placeholders instead, which :func:`formatted` fills with integers (and names
+of the daemon's own) only.
 
 The rule: transaction control statements are spelled by the driver code (``BEGIN``,
 ``COMMIT``, ``ROLLBACK``, ``SAVEPOINT`` and ``RELEASE`` of a savepoint: asyncpg's
@@ -30,6 +31,7 @@ _NAMED_PARAMETER = re.compile(r"(?<![:\w]):([a-z_][a-z0-9_]*)")
 _MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 # A value written into a statement's text, ``{name}`` (see :func:`formatted`).
 _PLACEHOLDER = re.compile(r"\{([a-z_][a-z0-9_]*)\}")
+_SAFE_NAME = re.compile(r"[a-z][a-z0-9_/]*")
 
 
 # A PostgreSQL migration whose file holds this line runs outside a transaction, one
@@ -105,20 +107,29 @@ def positional(backend: Backend, query: str) -> tuple[str, tuple[str, ...]]:
     return text, tuple(order)
 
 
-def formatted(text: str, **values: int) -> str:
+def formatted(text: str, **values: int | str) -> str:
     """A named block's text with each ``{name}`` placeholder replaced by ``values[name]``.
 
-    For the statements that take no bind parameters (``SET``, ``PRAGMA``), whose values
-    must be part of the text. Integers only (not bools): a number is all that can reach
-    the text this way, so nothing written here can be read as SQL. Every placeholder must
-    be given a value, and every value must have a placeholder."""
+    For the statements that take no bind parameters (``SET``, ``PRAGMA``, and what is sent
+    with them in one round trip), whose values must be part of the text. Integers (not
+    bools), or a name of the daemon's own (a loop's fencing row, ``plugin/7``) written as a
+    quoted literal: lowercase letters, digits, ``_`` and ``/`` only, so nothing written
+    here can be read as SQL. Every placeholder must be given a value, and every value must
+    have a placeholder."""
     for name, value in values.items():
-        if type(value) is not int:
-            raise TypeError(f"{{{name}}} takes an int, not {type(value).__name__}")
+        if type(value) is str:
+            if not _SAFE_NAME.fullmatch(value):
+                raise ValueError(f"{{{name}}} takes a name of [a-z0-9_/], not {value!r}")
+        elif type(value) is not int:
+            raise TypeError(f"{{{name}}} takes an int or a name, not {type(value).__name__}")
     used = set(_PLACEHOLDER.findall(text))
     if used != set(values):
         raise ValueError(f"placeholders {sorted(used)}, values given for {sorted(values)}")
-    return _PLACEHOLDER.sub(lambda match: str(values[match[1]]), text)
+
+    def literal(value: int | str) -> str:
+        return f"'{value}'" if isinstance(value, str) else str(value)
+
+    return _PLACEHOLDER.sub(lambda match: literal(values[match[1]]), text)
 
 
 @cache

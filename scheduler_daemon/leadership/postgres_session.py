@@ -51,12 +51,10 @@ from ..aio import wait_any
 from ..config.settings import Settings
 from ..config.timing import LockSettings
 from ..db.postgres import (
-    FENCED_ISOLATION,
     PgTx,
     PostgresStore,
     ask_between_statements,
     detect_dead_peer,
-    statement_locked_transaction,
 )
 from ..db.sqlfiles import formatted, queries
 from ..errors import describe
@@ -64,6 +62,7 @@ from ..logs import Logger
 from ..schema_gate import SchemaGate
 from .base import GuardBase, LeadershipLost, LeaseState, Stopping, settle_time
 from .heartbeat import heartbeat
+from .token_fence import TokenFence, fencing_row
 
 QUERIES = queries("postgres")
 
@@ -144,6 +143,8 @@ class SessionLease(LeaseState):
         log: Logger,
         on_lost: Callable[[str, bool], None],
         schema: SchemaGate,
+        pool: asyncpg.Pool | None = None,
+        loop: str = "",
     ) -> None:
         super().__init__(fencing_token, settings, log, on_lost)
         self.schema = schema
@@ -151,41 +152,41 @@ class SessionLease(LeaseState):
         self.key = key
         self.backend_pid = backend_pid
         self.since = since
-        # One user of the connection at a time: a tick's (or run's) transaction, or a
-        # heartbeat. Within a transaction, one statement at a time (the statement lock): between two
-        # of them a heartbeat may talk on the connection too.
+        # One user of the lock connection at a time: a heartbeat, or (a sharded member's)
+        # a fenced transaction. Within a transaction, one statement at a time (the
+        # statement lock): between two of them a heartbeat may talk on the connection too.
         self.transaction_lock = asyncio.Lock()
         self.statement_lock = asyncio.Lock()
+        # The leader's fenced transactions, on the pool, by fencing row ``loop`` (None:
+        # a sharded member, whose transactions are fenced by its shard locks on the lock
+        # connection).
+        self.fence = (
+            None
+            if pool is None
+            else TokenFence(
+                pool, loop, fencing_token, settings, schema, log,
+                lambda reason: self.lose(reason, lock_may_be_free=True),
+            )
+        )  # fmt: skip
 
     @asynccontextmanager
     async def transaction(self, *, only_ours: bool = False) -> AsyncIterator[PgTx]:
-        """A transaction on the lock connection, fenced twice over: it cannot commit once
-        the session is gone, and SQL run inside it cannot release the lock.
+        """A fenced transaction, on a pooled connection (leadership/token_fence.py): it
+        cannot commit once a successor drew its fencing token, and SQL run in it cannot
+        reach the lock, which another session holds. Several run at once.
 
-        The transaction first checks that the session holds the lock and takes a
-        transaction-level hold on it too (``fence_begin``): SQL that runs
-        ``pg_advisory_unlock_all()`` releases session-level holds only, so the lock stays
-        ours. The work runs in a savepoint; whatever becomes of it, the session lock is
-        restored before the transaction ends (``fence_restore``), while the
-        transaction-level hold still keeps it.
-
-        The same first statement reads the schema version: on a schema newer than this
-        build knows the transaction does nothing (:class:`SchemaNewer`; schema_gate.py).
-
-        ``only_ours`` (the loops' own bookkeeping): no user SQL runs, nothing can release
-        the session lock, so neither the savepoint nor the restore is needed: three round
-        trips of a tick's eight. The transaction-level hold still keeps the lock ours until
-        the commit, which still fails if the session is gone."""
-        async with self.transaction_lock:
-            self._closed_already()
-            if self.lost.is_set():
-                raise LeadershipLost(self.reason or "lost")
-            try:
-                async with self._fenced(only_ours) as tx:
-                    yield tx
-            except BaseException:
-                self._closed_already()  # the failure is the closed session showing
-                raise
+        ``only_ours`` (the loops' own bookkeeping): no user SQL runs, so the transaction
+        needs none of the pool's places kept for it, nor the session clean-up after it."""
+        assert self.fence is not None, "a member's transactions are its own (shard_lease.py)"
+        self._closed_already()
+        if self.lost.is_set():
+            raise LeadershipLost(self.reason or "lost")
+        try:
+            async with self.fence.transaction(only_ours=only_ours) as tx:
+                yield tx
+        except BaseException:
+            self._closed_already()  # the failure is the closed session showing
+            raise
 
     def _closed_already(self) -> None:
         """A lock connection found closed is a session, and a lock, that are over: said at
@@ -194,50 +195,13 @@ class SessionLease(LeaseState):
         if not self.lost.is_set() and self.conn.is_closed():
             self.lose("lock connection closed", lock_may_be_free=True)
 
-    @asynccontextmanager
-    async def _fenced(self, only_ours: bool) -> AsyncIterator[PgTx]:
-        """The fenced transaction itself (see :meth:`transaction`)."""
-        async with statement_locked_transaction(self.conn, self.statement_lock, FENCED_ISOLATION):
-            sent = time.monotonic()
-            async with self.statement_lock:
-                fence = await self.conn.fetchrow(QUERIES["fence_begin"], self.key)
-            if not fence["held"]:
-                self._fence_broken("the lock connection no longer holds the lock")
-            self.last_proven = sent  # as good as a heartbeat
-            self.schema.check(fence["schema_version"], self.log, "fence")
-            if only_ours:
-                yield PgTx(self.conn, self.fencing_token, self.statement_lock)
-                return
-            try:
-                async with statement_locked_transaction(self.conn, self.statement_lock):
-                    yield PgTx(self.conn, self.fencing_token, self.statement_lock)
-            finally:
-                async with self.statement_lock:
-                    await self._restore()
-
-    async def _restore(self) -> None:
-        if self.lost.is_set() or self.conn.is_closed():
-            return  # nothing to keep: the guard drops the connection
-        try:
-            async with asyncio.timeout(self.settings.database.connect_timeout):
-                if self.conn.is_in_transaction():
-                    if not await self.conn.fetchval(QUERIES["fence_restore"], self.key):
-                        self.log.warning(
-                            "leader.lock_restored",
-                            hint="SQL run in a fenced transaction released the loop's "
-                            "lock (pg_advisory_unlock_all?); it was held throughout and "
-                            "is held again",
-                        )
-                # SQL ended the transaction (COMMIT): without the transaction-level hold
-                # only the session lock is left to tell. Do not touch it; look.
-                elif not await self.conn.fetchval(
-                    QUERIES["lock_entry"], self.key, self.backend_pid
-                ):
-                    self._fence_broken("SQL in a fenced transaction ended it and the lock")
-        except LeadershipLost:
-            raise
-        except Exception as exc:  # fail closed: unsure is lost
-            self._fence_broken(f"could not restore the fence: {describe(exc)}")
+    def unblock(self) -> None:
+        """Drop every connection work of this leadership may be stuck on (the lock's, the
+        fenced transactions'): asyncpg waits for a cancelled statement's cancellation to
+        land, which on a dead socket it never does."""
+        self.conn.terminate()
+        if self.fence is not None:
+            self.fence.terminate()
 
     def _fence_broken(self, reason: str) -> None:
         self.lose(reason, lock_may_be_free=True)
@@ -275,6 +239,8 @@ class SessionGuard(GuardBase[PostgresStore]):
             self.log,
             self._report_lost,
             self.schema,
+            pool=self.store.pool,
+            loop=fencing_row(self.loop, self.key),
         )
         on_closed = self._on_closed(lease)
         conn.add_termination_listener(on_closed)
@@ -307,7 +273,9 @@ class SessionGuard(GuardBase[PostgresStore]):
             self.schema.check(found["schema_version"], self.log, "lock granted")
             predecessor = found if found["instance"] is not None else None
             token: int = await conn.fetchval(
-                QUERIES["fencing_next"], self.loop, self.settings.instance_id
+                QUERIES["fencing_next"],
+                fencing_row(self.loop, self.key),
+                self.settings.instance_id,
             )
             row = await conn.fetchrow(
                 QUERIES["leader_claim"],
@@ -342,7 +310,7 @@ class SessionGuard(GuardBase[PostgresStore]):
     ) -> None:
         """Work first, lock last: nothing of this leadership may run once it is free. The
         caller lets the lock go after this."""
-        await lease.stop_work(unblock=lease.conn.terminate)
+        await lease.stop_work(unblock=lease.unblock)
         beating.cancel()
         await asyncio.wait({beating})
         lease.conn.remove_termination_listener(on_closed)

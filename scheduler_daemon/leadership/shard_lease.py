@@ -4,8 +4,8 @@ session) and its leadership of each shard it holds (``ShardLease``).
 A member's ticks run under the ``MemberLease``, over its active shards; each shard's runs
 are that ``ShardLease``'s work, stopped when the shard is lost or handed over. Every
 fenced transaction of a member (``MemberLease.fenced``) checks, in its first statement,
-the member lock and each shard it is for, and holds all of them at transaction level (as
-session mode's ``fence_begin``); the heartbeat's answer (``observe``) and each fence say
+the member lock and each shard it is for, and holds all of them at transaction level (so that
+SQL run in it cannot free them); the heartbeat's answer (``observe``) and each fence say
 which shards are still held and whether the members changed. leadership/shards.py (the
 guard) joins, watches and leaves; leadership/shard_rebalance.py takes and hands over.
 """

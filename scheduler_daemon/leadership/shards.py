@@ -28,7 +28,7 @@ member in pid order, which the server grants the moment that member's session en
 the survivors hear of a death within milliseconds, not at a poll.
 
 A fenced transaction checks, in its first statement, the member lock and each shard it is
-for, and holds all of them at transaction level (as session mode's ``fence_begin``); then
+for, and holds all of them at transaction level (SQL run in it cannot free them); then
 every claim and result statement checks each shard's fencing token against its current one
 (db/postgres.sql). docs/leadership.md has the guarantees and the failure matrix.
 

@@ -1,0 +1,267 @@
+"""Session mode's fenced transactions, off the lock connection.
+
+The lock connection only holds and proves the lock. A leader's database work (ticks,
+result batches, ``sql`` tasks, ``ctx.transaction()``, publishers) runs in transactions on
+pooled connections, as many at once as there are connections for them, each fenced in its
+first statement by the loop's fencing token (``scheduler_fence``, migration 0015):
+
+- the statement takes the loop's row of ``scheduler_fencing`` FOR SHARE, and fails
+  (SQLSTATE ``SDF01``) unless the token there is this leadership's;
+- a new leader draws its token (an UPDATE of that row, ``fencing_next``) right after it
+  is granted the lock, before any work. The draw waits for every transaction of the old
+  leader that holds the row, and every transaction the old leader begins after it finds
+  the new token and fails before doing anything.
+
+So no transaction of a replaced leader commits after its successor's first fenced
+statement, whatever the old leader's connections still do: the database orders them. The
+lock connection's session lock still decides who leads; the token decides whose writes
+count. A holder frozen inside a transaction is cut off by the server after
+``stall_timeout`` (the transaction's ``idle_in_transaction_session_timeout``), and its
+share of the row with it.
+
+BEGIN, the transaction's settings and the fence go in one round trip; a ``sql`` task's
+statement goes with its timeout; COMMIT is the last. A task's SQL cannot reach the lock:
+it runs in another session than the one that holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import asyncpg
+
+from ..config.settings import Settings
+from ..config.values import DEFAULT_PLUGIN_KEY, DEFAULT_PUBLISH_KEY
+from ..db.postgres import PgTx
+from ..db.sqlfiles import formatted, queries
+from ..errors import describe
+from ..logs import Logger
+from ..schema_gate import SchemaGate
+from .base import LeadershipLost
+
+QUERIES = queries("postgres")
+
+# scheduler_fence's answers (migration 0015).
+SUPERSEDED = "SDF01"
+SCHEMA_NEWER = "SDF02"
+# How often the server checks, while a fenced statement runs, that its client is still
+# there (client_connection_check_interval): a leader killed mid-statement lets go of the
+# fencing row within this, not when the statement would have ended.
+CLIENT_CHECK_MS = 1000
+# Connections of the pool left to the loops' own bookkeeping (ticks, result batches) and
+# the HTTP endpoints, whatever the tasks' and publishers' SQL holds.
+RESERVED_CONNECTIONS = 2
+DEFAULT_KEYS = {"publish": DEFAULT_PUBLISH_KEY, "plugin": DEFAULT_PLUGIN_KEY}
+
+
+def fencing_row(loop: str, key: int) -> str:
+    """The row of ``scheduler_fencing`` a session leader of ``loop`` on lock ``key`` draws
+    its tokens from and is fenced by: the loop's own for its default key; for another key
+    (a second deployment on the same database, docs/leadership.md), a row of its own, or
+    the two leaders would supersede each other's tokens. Its tokens come from the loop's
+    sequence all the same."""
+    if key == DEFAULT_KEYS.get(loop):
+        return loop
+    return f"{loop}/key_{key & 0xFFFF_FFFF_FFFF_FFFF:x}"
+
+
+class SqlEndedFence(RuntimeError):
+    """A task's SQL ended its fenced transaction (a COMMIT of its own): what it ran up to
+    there was fenced, what ran after was not. Its run fails, saying so."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "SQL in a fenced transaction ended it (COMMIT or ROLLBACK): statements after "
+            "that ran unfenced; a task's SQL must not end its transaction"
+        )
+
+
+class PooledTx(PgTx):
+    """A fenced transaction of its own on a pooled connection: nothing else runs in it, so
+    a statement's own timeout is set for the transaction and sent with the statement, in
+    one round trip, and put back after it in the same message."""
+
+    def __init__(self, conn: asyncpg.Connection, token: int, statement_lock: asyncio.Lock):
+        super().__init__(conn, token, statement_lock)
+        self._savepoints = 0
+
+    def _statement(self) -> asyncio.Lock:
+        assert self.statement_lock is not None
+        return self.statement_lock
+
+    async def _execute(self, sql: str, statement_timeout: float | None) -> None:
+        if statement_timeout is None:
+            await self.conn.execute(sql)
+            return
+        milliseconds = int(statement_timeout * 1000)
+        text = ";\n".join(
+            (
+                formatted(QUERIES["statement_timeout_local"], milliseconds=milliseconds),
+                sql,
+                QUERIES["statement_timeout_reset"],
+            )
+        )
+        # asyncpg's own limit too: the pool's command_timeout would cut it short.
+        await self.conn.execute(text, timeout=statement_timeout + 1.0)
+
+    @asynccontextmanager
+    async def savepoint(self) -> AsyncIterator[None]:
+        # Spelled here: asyncpg's transaction() refuses to nest in a transaction it did not
+        # begin (ours begins with the fence, in one round trip).
+        self._savepoints += 1
+        name = f"sp_{self._savepoints}"
+        async with self._statement():
+            await self.conn.execute(f"SAVEPOINT {name}")
+        try:
+            yield
+        except BaseException:
+            if not self.conn.is_closed():
+                async with self._statement():
+                    await self.conn.execute(f"ROLLBACK TO {name}")
+            raise
+        async with self._statement():
+            await self.conn.execute(f"RELEASE {name}")
+
+
+class TokenFence:
+    """The fenced transactions of one leadership of ``loop`` (its fencing row), drawn
+    ``token``; ``lose`` ends the leadership when the database says it is over."""
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        loop: str,
+        token: int,
+        settings: Settings,
+        schema: SchemaGate,
+        log: Logger,
+        lose: Callable[[str], object],
+    ) -> None:
+        self.pool = pool
+        self.loop = loop
+        self.token = token
+        self.settings = settings
+        self.schema = schema
+        self.log = log
+        self.lose = lose
+        # User SQL may hold a connection for as long as its task runs: never all of them.
+        places = max(1, settings.database.pool_max_size - RESERVED_CONNECTIONS)
+        self._user_places = asyncio.Semaphore(places)
+        self._in_use: set[asyncpg.Connection] = set()
+
+    def terminate(self) -> None:
+        """Drop every connection a fenced transaction holds: what asyncpg waits for on a
+        dead socket (a cancellation that never lands) ends at once. The server rolls back
+        what they had begun."""
+        for conn in list(self._in_use):
+            conn.terminate()
+
+    @asynccontextmanager
+    async def transaction(self, *, only_ours: bool = False) -> AsyncIterator[PgTx]:
+        """A fenced transaction. ``only_ours``: the loops' bookkeeping, never user SQL
+        (which waits for one of the pool's places left to it, and leaves the session as
+        it found it)."""
+        places = contextlib.nullcontext() if only_ours else self._user_places
+        async with places:
+            conn = await self.pool.acquire()
+            # In use (terminated by ``terminate``) until it is back in the pool: giving it
+            # back waits for a cancelled statement to end, which on a dead socket it never
+            # does.
+            self._in_use.add(conn)
+            try:
+                async with self._fenced(conn, only_ours) as tx:
+                    yield tx
+            finally:
+                await self._release(conn)
+
+    @asynccontextmanager
+    async def _fenced(self, conn: asyncpg.Connection, only_ours: bool) -> AsyncIterator[PgTx]:
+        await self._begin(conn)
+        statement_lock = asyncio.Lock()
+        keeper = asyncio.create_task(self._keep_alive(conn, statement_lock))
+        try:
+            yield PooledTx(conn, self.token, statement_lock)
+        except BaseException:
+            await _stopped(keeper)
+            await self._end(conn, "ROLLBACK", only_ours)
+            raise
+        await _stopped(keeper)
+        if not conn.is_in_transaction():
+            await self._end(conn, "ROLLBACK", only_ours)  # its session cleaned
+            raise SqlEndedFence
+        await self._end(conn, "COMMIT", only_ours)
+
+    async def _release(self, conn: asyncpg.Connection) -> None:
+        try:
+            # Bounded: past it asyncpg drops the connection (the server rolls back).
+            await self.pool.release(conn, timeout=self.settings.database.connect_timeout)
+        except Exception as exc:
+            self.log.debug("fence.release_failed", error=describe(exc))
+        finally:
+            self._in_use.discard(conn)
+
+    async def _keep_alive(self, conn: asyncpg.Connection, statement_lock: asyncio.Lock) -> None:
+        """While the transaction's owner awaits something else (a task inside
+        ``ctx.transaction()`` calling an API), say something on it every
+        ``heartbeat_interval``: its idle_in_transaction_session_timeout is for a frozen
+        process, whose keeper is frozen too, not for a live one that is busy elsewhere."""
+        while True:
+            await asyncio.sleep(self.settings.lock.heartbeat_interval)
+            if statement_lock.locked():
+                continue  # a statement runs: the transaction is not idle
+            async with statement_lock:
+                try:
+                    await conn.fetchval(QUERIES["now"])
+                except asyncpg.PostgresError:
+                    return  # the transaction failed: its owner rolls it back
+
+    async def _begin(self, conn: asyncpg.Connection) -> None:
+        fence = formatted(
+            QUERIES["token_fence"],
+            stall_ms=round(self.settings.lock.stall_timeout * 1000),
+            check_ms=CLIENT_CHECK_MS,
+            loop=self.loop,
+            token=self.token,
+            newest=self.schema.newest,
+        )
+        try:
+            await conn.execute(";\n".join(("BEGIN", fence)))
+        except asyncpg.PostgresError as exc:
+            await self._end(conn, "ROLLBACK", only_ours=True)
+            if exc.sqlstate == SUPERSEDED:
+                reason = "a newer leader drew the loop's fencing token"
+                self.lose(reason)
+                raise LeadershipLost(reason) from None
+            if exc.sqlstate == SCHEMA_NEWER:
+                self.schema.check(int(exc.detail or 0), self.log, "fence")
+            raise
+
+    async def _end(self, conn: asyncpg.Connection, how: str, only_ours: bool) -> None:
+        """COMMIT or ROLLBACK; after user SQL, with whatever session state it may have
+        left behind (a SET, a LISTEN, a cursor, an advisory lock) cleared in the same
+        round trip. On a connection that cannot say, dropped: the server rolls back."""
+        if conn.is_closed():
+            return
+        ending = [how] if conn.is_in_transaction() else []
+        text = ";\n".join(ending if only_ours else [*ending, QUERIES["session_clean"]])
+        if not text:
+            return
+        if how == "COMMIT":
+            await conn.execute(text)
+            return
+        try:
+            async with asyncio.timeout(self.settings.database.connect_timeout):
+                await conn.execute(text)
+        except Exception:
+            conn.terminate()  # cannot say: dropped, the server rolls back
+
+
+async def _stopped(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` and wait until it has ended (whatever it ended with is moot)."""
+    task.cancel()
+    await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()

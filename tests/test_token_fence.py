@@ -1,0 +1,198 @@
+"""Session mode's fence off the lock connection (leadership/token_fence.py), against a real
+PostgreSQL, statement by statement: the orderings a network can produce between a replaced
+leader's transactions and its successor's draw of the loop's fencing token, each made
+happen on purpose and waited for in the server's own lock table, not by a sleep.
+
+The promise: no transaction of a replaced leader commits after its successor's first
+fenced statement. Its processes-level proof (real replicas, SIGKILL, SIGSTOP, partitions)
+is the chaos slice and tests/test_external_exclusion.py; this file shows the mechanism."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+from rig.waiting import until
+
+from scheduler_daemon.config.settings import Settings
+from scheduler_daemon.db.sqlfiles import queries
+from scheduler_daemon.db.url import Backend
+from scheduler_daemon.leadership.base import LeadershipLost
+from scheduler_daemon.leadership.token_fence import SqlEndedFence, TokenFence, fencing_row
+from scheduler_daemon.logs import get_logger
+from scheduler_daemon.schema_gate import SchemaGate
+
+pytestmark = pytest.mark.postgres
+
+DRAW = queries("postgres")["fencing_next"]
+SETTINGS = Settings(lock={"heartbeat_interval": 0.2, "stop_grace": 0.5, "stall_timeout": 3})
+BACKEND: Backend = "postgres"
+
+
+@pytest.fixture
+async def pool(pg_url: str) -> AsyncIterator[asyncpg.Pool]:
+    async with asyncpg.create_pool(pg_url, min_size=1, max_size=6) as opened:
+        await opened.execute("CREATE TABLE fenced_writes (who text, n int)")
+        yield opened
+
+
+class Leader:
+    """One leadership's fence, and whether the database told it that it is over."""
+
+    def __init__(self, pool: asyncpg.Pool, token: int, name: str) -> None:
+        self.name = name
+        self.lost: list[str] = []
+        self.fence = TokenFence(
+            pool, "plugin", token, SETTINGS, SchemaGate(BACKEND), get_logger(), self.lost.append
+        )
+
+    async def write(self, n: int) -> None:
+        async with self.fence.transaction(only_ours=True) as tx:
+            await tx.run("INSERT INTO fenced_writes VALUES ($1, $2)", self.name, n)
+
+
+async def drawn(pool: asyncpg.Pool) -> int:
+    token: int = await pool.fetchval(DRAW, "plugin", "test")
+    return token
+
+
+async def waiting_on_the_fencing_row(pool: asyncpg.Pool, pid: int) -> bool:
+    """Backend ``pid`` waits for a row lock (the fencing row: nothing else is locked)."""
+    return bool(
+        await pool.fetchval(
+            "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1", pid
+        )
+    )
+
+
+async def writes(pool: asyncpg.Pool) -> list[tuple[str, int]]:
+    rows = await pool.fetch("SELECT who, n FROM fenced_writes ORDER BY who, n")
+    return [(row["who"], row["n"]) for row in rows]
+
+
+async def test_a_successors_draw_waits_for_the_old_leaders_open_transaction(
+    pool: asyncpg.Pool,
+) -> None:
+    """The old leader's transaction is open when its successor draws: the draw waits for it
+    (the fencing row is held FOR SHARE), so what the old leader commits commits before
+    the successor's token exists; its next transaction is refused before doing anything."""
+    old = Leader(pool, await drawn(pool), "old")
+    successor = await pool.acquire()
+    try:
+        async with old.fence.transaction(only_ours=True) as tx:
+            await tx.run("INSERT INTO fenced_writes VALUES ('old', 1)")
+            drawing = asyncio.ensure_future(successor.fetchval(DRAW, "plugin", "new"))
+            pid = successor.get_server_pid()
+            await until(lambda: waiting_on_the_fencing_row(pool, pid), "the draw to wait", 10)
+            assert not drawing.done()
+        new_token = await asyncio.wait_for(drawing, 10)
+        with pytest.raises(LeadershipLost, match="newer leader"):
+            await old.write(2)
+        assert old.lost == ["a newer leader drew the loop's fencing token"]
+        new = Leader(pool, new_token, "new")
+        await new.write(1)
+        assert await writes(pool) == [("new", 1), ("old", 1)]
+    finally:
+        await pool.release(successor)
+
+
+async def test_an_old_transaction_that_begins_during_the_draw_fails_once_it_commits(
+    pool: asyncpg.Pool,
+) -> None:
+    """The other order: the successor's draw is under way (its transaction holds the row)
+    when the old leader begins. The fence waits for the draw, then reads the row as the
+    draw left it (READ COMMITTED's locking read) and refuses: nothing of it ran."""
+    old = Leader(pool, await drawn(pool), "old")
+    successor = await pool.acquire()
+    try:
+        await successor.execute("BEGIN")
+        await successor.fetchval(DRAW, "plugin", "new")
+        beginning = asyncio.ensure_future(old.write(1))
+        await until(
+            lambda: pool.fetchval(
+                "SELECT count(*) = 1 FROM pg_stat_activity "
+                "WHERE wait_event_type = 'Lock' AND query LIKE '%scheduler_fence(%'"
+            ),
+            "the old leader's fence to wait for the draw",
+            10,
+        )
+        await successor.execute("COMMIT")
+        with pytest.raises(LeadershipLost):
+            await asyncio.wait_for(beginning, 10)
+        assert await writes(pool) == []
+    finally:
+        await pool.release(successor)
+
+
+async def test_a_successor_that_rolled_its_draw_back_leaves_the_old_token_valid(
+    pool: asyncpg.Pool,
+) -> None:
+    """A draw that never commits (the new leader died before its claim committed) changes
+    nothing: the old token is still the row's, and its transactions go on."""
+    old = Leader(pool, await drawn(pool), "old")
+    successor = await pool.acquire()
+    try:
+        await successor.execute("BEGIN")
+        await successor.fetchval(DRAW, "plugin", "new")
+        beginning = asyncio.ensure_future(old.write(1))
+        await until(
+            lambda: pool.fetchval(
+                "SELECT count(*) = 1 FROM pg_stat_activity "
+                "WHERE wait_event_type = 'Lock' AND query LIKE '%scheduler_fence(%'"
+            ),
+            "the old leader's fence to wait for the draw",
+            10,
+        )
+        await successor.execute("ROLLBACK")
+        await asyncio.wait_for(beginning, 10)
+        assert old.lost == []
+        assert await writes(pool) == [("old", 1)]
+    finally:
+        await pool.release(successor)
+
+
+async def test_fenced_transactions_run_at_once_and_user_sql_leaves_no_session_state(
+    pool: asyncpg.Pool,
+) -> None:
+    """Several fenced transactions are in flight together (none waits for another: each
+    holds the row FOR SHARE); a task's SQL that sets a session setting or takes a session
+    lock leaves neither to the connection's next user; SQL that ends its transaction
+    fails its run."""
+    leader = Leader(pool, await drawn(pool), "leader")
+    inside = asyncio.Barrier(3)
+
+    async def one(n: int) -> None:
+        async with leader.fence.transaction() as tx:
+            await tx.run("INSERT INTO fenced_writes VALUES ('leader', $1)", n)
+            await asyncio.wait_for(inside.wait(), 10)  # all three open at once
+
+    await asyncio.gather(one(1), one(2), one(3))
+    assert await writes(pool) == [("leader", 1), ("leader", 2), ("leader", 3)]
+
+    async with leader.fence.transaction() as tx:
+        await tx.execute(
+            "SET search_path = pg_catalog; SELECT pg_advisory_lock(42)", statement_timeout=5
+        )
+        pid = tx.conn.get_server_pid()
+    # Not one of the session's advisory locks is left, nor its setting.
+    async with pool.acquire() as conn:
+        assert not await conn.fetchval(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = $1", pid
+        )
+    async with leader.fence.transaction() as tx:
+        if tx.conn.get_server_pid() == pid:
+            assert await tx.conn.fetchval("SHOW search_path") != "pg_catalog"
+    with pytest.raises(SqlEndedFence):
+        async with leader.fence.transaction() as tx:
+            await tx.execute("COMMIT")
+    assert leader.lost == []
+
+
+def test_a_second_deployment_on_its_own_lock_key_has_a_fencing_row_of_its_own() -> None:
+    defaults = Settings().lock.keys
+    assert fencing_row("plugin", defaults.plugin) == "plugin"
+    assert fencing_row("publish", defaults.publish) == "publish"
+    assert fencing_row("plugin", 12345) == "plugin/key_3039"
+    assert fencing_row("plugin", -1) == "plugin/key_ffffffffffffffff"
