@@ -135,7 +135,7 @@ class Listener:
         lock with it, for as long as it lasts, and a leader starting would wait there,
         outside any work its lease can stop (tests/test_logs.py froze one so)."""
         timeout = self.store.settings.database.connect_timeout
-        with explain_timeouts(f"LISTEN {channel}: no answer within {timeout:g}s"):
+        with explain_timeouts(f"listening on {channel}: no answer within {timeout:g}s"):
             async with asyncio.timeout(timeout):
                 await conn.add_listener(channel, subscription)
 
