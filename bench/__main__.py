@@ -18,6 +18,7 @@ BENCHMARKS = [
     "short_notice",
     "worker_overhead",
     "failover",
+    "latency",
     "idle",
     "peers",
     "growth",

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT / "tests"))
 
+from rig import netns  # noqa: E402,F401 (bench/latency.py: replicas behind real links)
 from rig.databases import (  # noqa: E402
     create_database,
     drop_database,
@@ -90,6 +91,11 @@ def stop_daemon(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=60)
 
 
+# Durable, as in production: the test rig turns fsync off for speed, which would hide
+# what a commit per row really costs.
+DURABLE = {"fsync": "on", "full_page_writes": "on", "synchronous_commit": "on"}
+
+
 def admin_dsn(stack: ExitStack, settings: dict[str, str] | None = None) -> str:
     """SCHEDULER_BENCH_DATABASE_URL, or a throwaway cluster that `stack` stops (with
     `settings` beside the durable ones: bench/sustained.py loads pg_stat_statements)."""
@@ -99,10 +105,7 @@ def admin_dsn(stack: ExitStack, settings: dict[str, str] | None = None) -> str:
     bindir = find_pg_bindir()
     if bindir is None:
         sys.exit("bench: no PostgreSQL binaries and SCHEDULER_BENCH_DATABASE_URL unset")
-    # Durable, as in production: the test rig turns fsync off for speed, which would hide
-    # what a commit per row really costs.
-    durable = {"fsync": "on", "full_page_writes": "on", "synchronous_commit": "on"}
-    return stack.enter_context(PgCluster(bindir, settings=durable | (settings or {}))).dsn()
+    return stack.enter_context(PgCluster(bindir, settings=DURABLE | (settings or {}))).dsn()
 
 
 def save_results(

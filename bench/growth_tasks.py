@@ -73,3 +73,19 @@ async def stamp(ctx: TaskContext) -> None:
     if directory is not None:
         line = f"{ctx.name} {ctx.slot.timestamp():.6f} {time.time():.6f} {ctx.instance}\n"
         _append(os.path.join(directory, f"{os.getpid()}.stamps"), line)
+
+
+# bench/latency.py: a directory where probe records each run, outside the database.
+PROBES = "BENCH_PROBES"
+
+
+async def probe(ctx: TaskContext) -> None:
+    """Notes the wall clock as it was called, waits 1 ms (an async target's I/O), then
+    writes one line: instance, schedule, slot and that start. The line comes after the
+    wait so that a run is recorded only once it has really run."""
+    started = time.time()
+    await asyncio.sleep(0.001)
+    directory = os.environ.get(PROBES)
+    if directory is not None:
+        line = f"{ctx.instance} {ctx.name} {ctx.slot.timestamp():.6f} {started:.6f}\n"
+        _append(os.path.join(directory, f"{os.getpid()}.probes"), line)
