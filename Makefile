@@ -61,12 +61,13 @@ test-long: $(STAMP)
 	$(BIN)/pytest -q $(PYTEST_XDIST) --run-long -m chaos_long \
 	    --deselect tests/chaos/test_chaos.py::test_chaos_soak $(PYTEST_ARGS)
 
-# One long nemesis run: make chaos SEED=7 DURATION=1800 REPLICAS=5 SHARDS=16 (defaults: a
-# random seed, 300 s, 5 replicas, 1 shard: one plugin leader). Its history, report and
-# timeline land in chaos-runs/.
+# One long nemesis run: make chaos SEED=7 DURATION=1800 REPLICAS=5 SHARDS=16 RTT_MS=10
+# (defaults: a random seed, 300 s, 5 replicas, 1 shard: one plugin leader, 0 ms: RTT_MS is
+# a standing round trip added to every replica's link). Its history, report and timeline
+# land in chaos-runs/.
 chaos: $(STAMP)
 	CHAOS_SEED=$(SEED) CHAOS_DURATION=$(DURATION) CHAOS_REPLICAS=$(REPLICAS) \
-	    CHAOS_SHARDS=$(SHARDS) \
+	    CHAOS_SHARDS=$(SHARDS) CHAOS_RTT_MS=$(RTT_MS) \
 	    $(BIN)/pytest -q -s --run-long tests/chaos/test_chaos.py::test_chaos_soak $(PYTEST_ARGS)
 
 # Full run (about two and a half hours here) and a smoke run of every benchmark (a few minutes); both

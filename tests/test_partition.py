@@ -225,6 +225,29 @@ def test_impair_delays_each_direction_and_drops_its_share(net: Namespaces) -> No
     assert _datagrams_through(net, n, 200) == (200, 200)
 
 
+def test_a_cut_keeps_the_links_delay_and_the_heal_brings_it_back(net: Namespaces) -> None:
+    """A partition of a delayed link replaces its rules with the cut but keeps the delay
+    (and its process): the heal ends the cut with the link as delayed as before it, not
+    clean. The chaos suite's standing delay relies on it."""
+    n = net.add()
+    with _listener(socket.socket(), net.hosts[n].host_ip) as on_host, _echo(on_host):
+        stream = _connect(net.socket(n), on_host.getsockname(), 5.0)
+        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        net.impair(n, delay_ms=20)
+        delayer = net.hosts[n].delayer
+        net.partition(n)
+        net.heal(n)
+        assert net.hosts[n].impairment == netns.Impairment(delay_ms=20)
+        assert delayer is not None
+        assert net.hosts[n].delayer is delayer
+        assert delayer.poll() is None
+        healed = _round_trips(stream, 6)
+        stream.close()
+    print(f"\nround trips after the heal of a link delayed 20 ms (ms): {min(healed):.0f}.."
+          f"{max(healed):.0f}")  # fmt: skip
+    assert min(healed) >= 40
+
+
 def test_leftovers_of_a_killed_run_are_removed(netns_here: None, tmp_path: Path) -> None:
     """A run SIGKILLed with a link cut and delayed leaves its namespace, link, chains and
     delay process behind; the delay process exits by itself, the next run's entry removes

@@ -10,6 +10,7 @@ the experiment and not as plumbing: ``rig.netns`` for links, ``rig.pgcluster`` a
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,18 +39,51 @@ def faketime_env(skew_seconds: float) -> dict[str, str]:
     }
 
 
+def standing_delay(rtt_ms: float) -> netns.Impairment:
+    """The impairment that adds `rtt_ms` to a link's round trip: half of it each way (the
+    rig delays each direction once, so the round trip grows by twice the delay)."""
+    if rtt_ms < 0:
+        raise ValueError(f"a round trip cannot shrink: {rtt_ms=}")
+    return netns.Impairment(delay_ms=rtt_ms / 2)
+
+
+def on_top(standing: netns.Impairment, fault: netns.Impairment) -> netns.Impairment:
+    """A bad link's impairment over the standing one: a link that goes bad keeps the
+    distance it had, so the delays add (and so do the jitters' ranges), and a packet
+    survives only if it survives both losses."""
+    survives = (1 - standing.loss_pct / 100) * (1 - fault.loss_pct / 100)
+    return netns.Impairment(
+        delay_ms=standing.delay_ms + fault.delay_ms,
+        jitter_ms=standing.jitter_ms + fault.jitter_ms,
+        loss_pct=round(100 * (1 - survives), 6),
+    )
+
+
 class ChaosNetwork:
     """A network namespace per replica (0-based index) when possible; else loopback, where
-    partitions and bad links cannot be made (``enabled`` is False and the run says so)."""
+    partitions and bad links cannot be made (``enabled`` is False and the run says so).
 
-    def __init__(self, namespaces: netns.Namespaces | None, why_not: str | None) -> None:
+    With a *standing* delay (``rtt_ms`` > 0: replicas a distance from their database, as
+    across zones), every link carries it from the moment the namespaces are made, spares
+    too (a scale_up's replica joins over a link as long as the others'), and every fault of
+    a link returns to it, not to a clean link: :meth:`impair` puts the bad link *on top of*
+    it (:func:`on_top`), :meth:`clear` goes back to it, and :meth:`heal` ends a cut with the
+    link's impairment as it was (the rig keeps it, and its delay process, under a cut).
+    Without namespaces there is no standing delay either (``rtt_ms`` is then 0).
+    """
+
+    def __init__(
+        self, namespaces: netns.Namespaces | None, why_not: str | None, rtt_ms: float = 0.0
+    ) -> None:
         self._namespaces = namespaces
         self.why_not = why_not
+        self.rtt_ms = rtt_ms if namespaces is not None else 0.0
+        self.standing = standing_delay(self.rtt_ms)
 
     @classmethod
-    def create(cls, directory: Path, replicas: int) -> ChaosNetwork:
+    def create(cls, directory: Path, replicas: int, rtt_ms: float = 0.0) -> ChaosNetwork:
         why_not = netns.unavailable()
-        return cls(None if why_not else netns.Namespaces(replicas), why_not)
+        return cls(None if why_not else netns.Namespaces(replicas), why_not, rtt_ms)
 
     @property
     def enabled(self) -> bool:
@@ -58,6 +92,12 @@ class ChaosNetwork:
     def __enter__(self) -> Self:
         if self._namespaces is not None:
             self._namespaces.__enter__()
+            try:
+                for index in range(len(self._namespaces.hosts)):
+                    self.clear(index)  # the standing delay, on every link
+            except BaseException:
+                self._namespaces.close()
+                raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -84,13 +124,46 @@ class ChaosNetwork:
             self._namespaces.heal(index)
 
     def impair(self, index: int, *, delay_ms: float, jitter_ms: float, loss_pct: float) -> None:
+        """A bad link, on top of the standing delay."""
         if self._namespaces is not None:
-            self._namespaces.impair(index, delay_ms=delay_ms, jitter_ms=jitter_ms,
-                                    loss_pct=loss_pct)  # fmt: skip
+            link = on_top(self.standing, netns.Impairment(delay_ms, jitter_ms, loss_pct))
+            self._namespaces.impair(index, delay_ms=link.delay_ms, jitter_ms=link.jitter_ms,
+                                    loss_pct=link.loss_pct)  # fmt: skip
 
     def clear(self, index: int) -> None:
-        if self._namespaces is not None:
+        """The link back to the standing delay (a clean link without one)."""
+        if self._namespaces is None:
+            return
+        if self._namespaces.hosts[index].impairment == self.standing:
+            return  # as it stands already: no new delay process for nothing
+        if self.standing == netns.Impairment():
             self._namespaces.clear(index)
+        else:
+            self._namespaces.impair(index, delay_ms=self.standing.delay_ms,
+                                    jitter_ms=self.standing.jitter_ms,
+                                    loss_pct=self.standing.loss_pct)  # fmt: skip
+
+    def round_trip_ms(self, index: int, samples: int = 5, timeout: float = 5.0) -> float | None:
+        """Link `index`'s round trip as a TCP handshake from inside its namespace sees it
+        (the least of `samples` connects to a listener of the host's end: a SYN out, a
+        SYN-ACK back), in milliseconds; None without namespaces or under a cut."""
+        if self._namespaces is None or self._namespaces.hosts[index].partitioned:
+            return None
+        host = self._namespaces.hosts[index]
+        best: float | None = None
+        with socket.socket() as listener:
+            listener.bind((host.host_ip, 0))
+            listener.listen(samples)
+            for _ in range(samples):
+                with self._namespaces.socket(index) as client:
+                    client.settimeout(timeout)
+                    began = time.perf_counter()
+                    client.connect(listener.getsockname())
+                    took = (time.perf_counter() - began) * 1000
+                accepted, _ = listener.accept()
+                accepted.close()
+                best = took if best is None else min(best, took)
+        return best
 
 
 class ChaosDatabase:

@@ -1,7 +1,8 @@
 """One chaos run: a throwaway PostgreSQL (a primary with a streaming standby when failover is
 on offer), N replicas as real ``scheduler-daemon run`` processes, each in its own network
-namespace when this machine allows it, the workload, the nemesis, and at the end the
-history (``history.jsonl``), the checker's verdict and the report, all in one directory.
+namespace when this machine allows it (each link with a standing delay if the run asks
+for one: ``ChaosConfig.rtt_ms``), the workload, the nemesis, and at the end the history
+(``history.jsonl``), the checker's verdict and the report, all in one directory.
 
 The nemesis runs the plan's episodes one after another: a fault alone, or two that overlap,
 the outer one in a thread of its own (see ``chaos.nemesis``). Who is hit by what, and each
@@ -102,6 +103,11 @@ class ChaosConfig:
     # there are shards, at most 9; none when there is one).
     shards: int = 1
     shard_tasks: int | None = None
+    # A standing delay on every replica's link to the database for the whole run: this
+    # much added to each round trip (half of it each way), spares' links included; a bad
+    # link (netem) adds its delay on top, and every fault of a link ends back at it. 0: a
+    # clean link (tens of microseconds). Needs network namespaces, as partitions do.
+    rtt_ms: float = 0.0
 
     @property
     def extra_tasks(self) -> int:
@@ -174,7 +180,7 @@ class ChaosRun:
         ]
         self.task_periods = task_periods(config.extra_tasks)
         failover = {"failover_sync", "failover_async"} & set(config.kinds)
-        self.network = ChaosNetwork.create(self.directory, len(self.replicas))
+        self.network = ChaosNetwork.create(self.directory, len(self.replicas), config.rtt_ms)
         self.db = ChaosDatabase(with_standby=bool(failover), network=self.network)
         self.daemons = Daemons(self.directory / "daemons")
         self.intents = plan(
@@ -208,6 +214,9 @@ class ChaosRun:
     def run(self) -> Path:
         """Run the workload under the nemesis; write and return ``history.jsonl``."""
         execute(self.db.admin_dsn, WORKLOAD_DDL)
+        # Each link's round trip as it stands, before any fault and after the last heal:
+        # the standing delay was there from the start and every fault returned to it.
+        round_trips = {"start": self._round_trips()}
         started = time.time()
         for replica in self.replicas:
             if not replica.spare:
@@ -217,6 +226,7 @@ class ChaosRun:
         try:
             self._nemesis(started)
             self._heal_all()
+            round_trips["end"] = self._round_trips()
             feeder.stop()
             time.sleep(DRAIN_SECONDS)
         finally:
@@ -229,7 +239,7 @@ class ChaosRun:
                 f"the feeder died, so the history is not whole: {feeder.failure!r}"
             )
         locks = self.db.advisory_locks()
-        return self._write_history(started, stopped, feeder, locks)
+        return self._write_history(started, stopped, feeder, locks, round_trips)
 
     def _start(self, replica: Replica, skew_seconds: float = 0.0) -> Incarnation | None:
         """Start a process of `replica`; None for a spare that is not wanted now (a fault
@@ -299,7 +309,7 @@ class ChaosRun:
 
     def _heal_all(self) -> None:
         """After the nemesis (every fault healed by its own thread already): whatever is
-        left, in case a fault's healing failed."""
+        left, in case a fault's healing failed. Links go back to the standing delay."""
         for replica in self.replicas:
             with self._net_lock:
                 self.network.heal(replica.index)
@@ -309,6 +319,21 @@ class ChaosRun:
                 current.process.signal(signal.SIGCONT)
             elif not replica.spare:
                 self._start(replica)
+
+    def _round_trips(self) -> dict[str, float | None]:
+        """Each replica's link's round trip now (ms, a TCP handshake from inside its
+        namespace); None where it could not be measured. {} without namespaces."""
+        if not self.network.enabled:
+            return {}
+        measured: dict[str, float | None] = {}
+        for replica in self.replicas:
+            with self._net_lock:
+                try:
+                    rtt = self.network.round_trip_ms(replica.index)
+                except OSError:
+                    rtt = None
+            measured[replica.name] = None if rtt is None else round(rtt, 2)
+        return measured
 
     # -- the nemesis -----------------------------------------------------------------
 
@@ -546,10 +571,14 @@ class ChaosRun:
             time.sleep(intent.duration)
             self._wait_for(heal_after)
             with self._net_lock:
+                # The rig keeps the link's impairment under a cut (the standing delay, or
+                # a bad link still held): the heal brings the link back with it.
                 self.network.heal(replica.index)
             return {}, None, None
         assert kind == "netem", kind
         rng = random.Random(intent.pick)
+        # The fault's own delay and loss (what the history records): on top of the standing
+        # delay, and the link goes back to that after the hold.
         detail = {"delay_ms": rng.randint(50, 300), "loss_pct": rng.choice([0, 2, 5, 10])}
         with self._net_lock:
             self.network.impair(replica.index, jitter_ms=detail["delay_ms"] // 4, **detail)
@@ -591,7 +620,12 @@ class ChaosRun:
         return {inc.instance: inc.skew_seconds for r in self.replicas for inc in r.incarnations}
 
     def _write_history(
-        self, started: float, stopped: float, feeder: Feeder, locks: list[dict[str, Any]]
+        self,
+        started: float,
+        stopped: float,
+        feeder: Feeder,
+        locks: list[dict[str, Any]],
+        round_trips: dict[str, dict[str, float | None]],
     ) -> Path:
         skews = self._skews()
         feed = feeder.snapshot()
@@ -606,6 +640,8 @@ class ChaosRun:
                 "stopping": self.stopping,
                 "kinds": list(self._available(self.config.kinds)),
                 "network_namespaces": self.network.enabled,
+                "rtt_ms": self.network.rtt_ms,
+                "link_rtt_ms": round_trips,
                 "lateness_bound": self.config.lateness_bound,
                 "recovery_allowance": self.config.recovery_allowance,
                 "async_window": self.db.async_window,

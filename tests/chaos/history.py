@@ -129,6 +129,10 @@ class Meta:
     # task's shard where the harness could ask the database (records carry theirs too).
     shards: int = 1
     task_shards: Mapping[str, int] = field(default_factory=dict)
+    # The standing delay on every replica's link for the whole run: milliseconds added to
+    # each round trip (0: a clean link, and every history older than the setting). The
+    # harness adds what it measured (``link_rtt_ms``, at the start and the end) to extra.
+    rtt_ms: float = 0.0
     sources: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_SOURCES))
     extra: Mapping[str, Any] = field(default_factory=dict)
 

@@ -33,6 +33,10 @@ first SIGCONT would end the second), anything aimed at a process that a kill or 
 is already taking down. A conflicting inner fault goes to another replica
 (:func:`choose_replica`), and the history says where it was aimed.
 
+A run may give every link a *standing* delay (``ChaosConfig.rtt_ms``: replicas a distance
+from their database). A bad link then adds its delay on top of it, and a fault of a link
+ends back at it, never at a clean link: a heal, a bad link's end.
+
 Two faults change the cluster's membership, as an autoscaler or a rolling deploy does: a
 *scale_up* starts a process on one of two spare replicas (a fresh instance id; it joins,
 and with sharded leadership takes shards over) and stops it gracefully after its hold; a

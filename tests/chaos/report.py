@@ -85,6 +85,9 @@ def summarize(history: History, result: CheckResult) -> dict[str, Any]:
             "duration": meta.duration,
             "replicas": meta.replicas,
             "shards": meta.shards,
+            "network_namespaces": meta.get("network_namespaces"),
+            "rtt_ms": meta.rtt_ms,
+            "link_rtt_ms": meta.get("link_rtt_ms") or {},
             "start": meta.start,
             "end": meta.end,
             "instances": sorted({r.instance for r in history.runs}),
@@ -343,6 +346,7 @@ def markdown(numbers: dict[str, Any], result: CheckResult, limit: int = 100) -> 
         f"instances (processes) did work. Verdict: {verdict}; "
         f"{numbers['allowed']['count']} allowed by the documented limits.",
         "",
+        *_links(run),
         "![timeline](timeline.png)",
         "",
         "## Faults",
@@ -438,6 +442,30 @@ def markdown(numbers: dict[str, Any], result: CheckResult, limit: int = 100) -> 
     ]
     out += ["", "## Notes", "", *(f"- {n}" for n in numbers["notes"])] if numbers["notes"] else []
     return "\n".join(out) + "\n"
+
+
+def _links(run: dict[str, Any]) -> list[str]:
+    """The replicas' links: a standing delay or none (or loopback), and what was measured."""
+    if run["network_namespaces"] is False:
+        return ["Links: loopback (no network namespaces here): no partitions, no bad links, "
+                "no standing delay.", ""]  # fmt: skip
+    if run["network_namespaces"] is None and not run["rtt_ms"]:
+        return []  # a history that does not say
+    if run["rtt_ms"]:
+        text = (
+            f"Links: {run['rtt_ms']:g} ms RTT standing on every replica's link, the whole run "
+            f"({run['rtt_ms'] / 2:g} ms each way; a netem fault's delay adds to it)."
+        )
+    else:
+        text = "Links: no standing delay."
+    measured = [
+        f"{min(values):.2f}-{max(values):.2f} ms at the {when}"
+        for when, by_replica in run["link_rtt_ms"].items()
+        if (values := [v for v in by_replica.values() if v is not None])
+    ]
+    if measured:
+        text += " Round trip measured (TCP handshake): " + ", ".join(measured) + "."
+    return [text, ""]
 
 
 def _overlaps(o: dict[str, Any], limit: int) -> list[str]:

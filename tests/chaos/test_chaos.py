@@ -2,11 +2,13 @@
 
 ``make test`` runs the short deterministic slice (fixed seeds, each about a minute, each
 guaranteed a partition, a primary failover, a change of membership and overlapping faults
-among its faults); ``make chaos SEED=… DURATION=… REPLICAS=… SHARDS=…`` runs one long run
-with every fault kind (the soak), the plugin loop in SHARDS shards (default 1: one
-leader); ``make test-long`` runs a sharded run with replicas joining and leaving among the
-other faults. Every run leaves its directory (history, report, timeline picture, each
-replica's logs) behind; a failure names it.
+among its faults; one over links with a standing 10 ms round trip);
+``make chaos SEED=… DURATION=… REPLICAS=… SHARDS=… RTT_MS=…`` runs one long run with every
+fault kind (the soak), the plugin loop in SHARDS shards (default 1: one leader), each
+replica's link RTT_MS milliseconds longer a round trip (default 0); ``make test-long``
+runs a sharded run with replicas joining and leaving among the other faults. Every run
+leaves its directory (history, report, timeline picture, each replica's logs) behind; a
+failure names it.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ SLICE_SECONDS = 45.0
 # How many shards each seed's plugin loop runs in: one seed with one leader (the default
 # deployment), one sharded, in the same time.
 SLICE_SHARDS: dict[int, int] = {19: 1, 12: 8}
+# The standing round trip each seed's links carry (ms; ChaosConfig.rtt_ms): one seed with
+# replicas a distance from their database (10 ms, as across zones), one on clean links.
+SLICE_RTT_MS: dict[int, float] = {19: 10.0, 12: 0.0}
+# A bad link (netem) adds at least this to a round trip (50 ms each way at the least):
+# a link measured below standing + this after the run is back at its standing delay.
+LEAST_BAD_LINK_MS = 100.0
 
 # The soak's pairs, each drawn at least once beside the random ones (every kind is too):
 # the incidents the nemesis was taught overlap for.
@@ -90,6 +98,7 @@ def slice_config(seed: int, directory: Path) -> ChaosConfig:
         guaranteed_pairs=pairs,
         mean_gap=1.5,
         shards=SLICE_SHARDS[seed],
+        rtt_ms=SLICE_RTT_MS[seed],
     )
 
 
@@ -115,6 +124,25 @@ def test_chaos_slice(seed: int, tmp_path: Path) -> None:
     assert len(history.publications) >= 50, directory
     if SLICE_SHARDS[seed] > 1:
         assert_sharded(history, directory)
+    if network:
+        assert_standing_delay(history, SLICE_RTT_MS[seed], directory)
+
+
+def assert_standing_delay(history: History, rtt_ms: float, directory: Path) -> None:
+    """Every replica's link (the spares' too) had the standing round trip before the first
+    fault, and had it again after the last heal: no fault of a link left it clean, or bad.
+    A held packet cannot come back early, so the standing delay is an exact lower bound."""
+    assert history.meta.rtt_ms == rtt_ms, (history.meta.rtt_ms, directory)
+    measured = history.meta.get("link_rtt_ms") or {}
+    assert set(measured) == {"start", "end"}, (measured, directory)
+    for when, links in measured.items():
+        assert len(links) >= history.meta.replicas, (when, links, directory)
+        for replica, rtt in links.items():
+            assert rtt is not None, f"{replica}'s link not measured at the {when}: {directory}"
+            assert rtt >= rtt_ms, f"{replica}'s link at the {when}: {rtt} ms < {rtt_ms} ms"
+            assert rtt < rtt_ms + LEAST_BAD_LINK_MS, (
+                f"{replica}'s link at the {when}: {rtt} ms, a bad link left on ({directory})"
+            )
 
 
 def assert_sharded(history: History, directory: Path) -> None:
@@ -166,19 +194,21 @@ def test_chaos_sharded(tmp_path: Path) -> None:
 @pytest.mark.chaos_long
 @pytest.mark.processes
 def test_chaos_soak() -> None:
-    """``make chaos SEED=… DURATION=… REPLICAS=… SHARDS=…``: every fault kind and the
-    soak's pairs of overlapping faults beside the random ones, a long run."""
+    """``make chaos SEED=… DURATION=… REPLICAS=… SHARDS=… RTT_MS=…``: every fault kind and
+    the soak's pairs of overlapping faults beside the random ones, a long run."""
     seed = int(os.environ.get("CHAOS_SEED") or time.time_ns() % 100_000)
     duration = float(os.environ.get("CHAOS_DURATION") or 300)
     replicas = int(os.environ.get("CHAOS_REPLICAS") or 5)
     shards = int(os.environ.get("CHAOS_SHARDS") or 1)
+    rtt_ms = float(os.environ.get("CHAOS_RTT_MS") or 0)
     out = Path(os.environ.get("CHAOS_OUT") or ROOT / "chaos-runs")
     sharded = f"-{shards}k" if shards > 1 else ""
+    distant = f"-{rtt_ms:g}ms" if rtt_ms else ""
     stamp = time.strftime("%Y%m%dT%H%M%S")
-    directory = out / f"seed-{seed}-{int(duration)}s-{replicas}r{sharded}-{stamp}"
+    directory = out / f"seed-{seed}-{int(duration)}s-{replicas}r{sharded}{distant}-{stamp}"
     print(
-        f"chaos run: seed {seed}, {duration:g} s, {replicas} replicas, {shards} shard(s) "
-        f"-> {directory}"
+        f"chaos run: seed {seed}, {duration:g} s, {replicas} replicas, {shards} shard(s), "
+        f"links {rtt_ms:g} ms RTT standing -> {directory}"
     )
     config = ChaosConfig(
         seed=seed,
@@ -188,7 +218,10 @@ def test_chaos_soak() -> None:
         guaranteed=ALL_KINDS,
         guaranteed_pairs=SOAK_PAIRS,
         shards=shards,
+        rtt_ms=rtt_ms,
     )
     history, _ = run_and_check(config)
     if shards > 1:
         assert_sharded(history, directory)
+    if rtt_ms and history.meta.get("network_namespaces"):
+        assert_standing_delay(history, rtt_ms, directory)

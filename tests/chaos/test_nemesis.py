@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from rig.netns import Impairment
 
 from chaos.checker import check, fault_windows, merge_spans
-from chaos.history import Fault, overlapping_faults
+from chaos.environment import on_top, standing_delay
+from chaos.history import Fault, History, overlapping_faults
 from chaos.nemesis import (
     ALL_KINDS,
     DATABASE_FAULTS,
@@ -36,11 +39,12 @@ from chaos.nemesis import (
     planned_pairs,
     share_replica,
 )
-from chaos.report import fault_lanes, write_report
+from chaos.report import fault_lanes, markdown, summarize, write_report
 from chaos.test_chaos import (
     SHARDED_PAIRS,
     SHARDED_SEED,
     SLICE,
+    SLICE_RTT_MS,
     SLICE_SECONDS,
     SOAK_PAIRS,
     slice_config,
@@ -352,6 +356,49 @@ def test_the_report_shows_overlapping_faults(tmp_path: Path) -> None:
     assert "sigkill of r2.1 at" in report
     assert "(not planned as a pair)" in report
     assert paths["timeline"].stat().st_size > 10_000
+
+
+# -- the standing link delay ---------------------------------------------------------------
+
+
+def test_the_slice_runs_one_seed_over_distant_links() -> None:
+    assert sorted(SLICE_RTT_MS.values()) == [0.0, 10.0]
+    assert {seed: slice_config(seed, Path("x")).rtt_ms for seed in SLICE} == SLICE_RTT_MS
+
+
+def test_a_standing_round_trip_is_half_each_way_and_a_bad_link_comes_on_top() -> None:
+    """The rig delays each direction once: 10 ms more a round trip is 5 ms each way. A bad
+    link keeps the distance the link had: delays and jitter ranges add, losses compound."""
+    standing = standing_delay(10)
+    assert standing == Impairment(delay_ms=5.0)
+    assert standing_delay(0) == Impairment()
+    with pytest.raises(ValueError, match="round trip"):
+        standing_delay(-1)
+    bad = Impairment(delay_ms=120, jitter_ms=30, loss_pct=5)
+    assert on_top(standing, bad) == Impairment(delay_ms=125, jitter_ms=30, loss_pct=5)
+    assert on_top(Impairment(), bad) == bad
+    lossy = Impairment(delay_ms=5, jitter_ms=2, loss_pct=10)
+    assert on_top(lossy, Impairment(loss_pct=10)) == Impairment(5, 2, 19)
+
+
+def _linked(history: History, **meta: object) -> str:
+    history.meta = replace(history.meta, extra={**history.meta.extra, **meta})
+    return markdown(summarize(history, check(history)), check(history))
+
+
+def test_the_report_names_the_links_standing_delay_and_what_was_measured() -> None:
+    history = crafted(rtt_ms=10.0)
+    measured = {"start": {"r1": 10.4, "r2": 10.9}, "end": {"r1": 10.3, "r2": None}}
+    report = _linked(history, network_namespaces=True, link_rtt_ms=measured)
+    assert (
+        "Links: 10 ms RTT standing on every replica's link, the whole run (5 ms each way; a "
+        "netem fault's delay adds to it). Round trip measured (TCP handshake): 10.40-10.90 "
+        "ms at the start, 10.30-10.30 ms at the end." in report
+    )
+    assert summarize(history, check(history))["run"]["rtt_ms"] == 10.0
+    assert "Links: no standing delay." in _linked(crafted(), network_namespaces=True)
+    assert "Links: loopback" in _linked(crafted(), network_namespaces=False)
+    assert "Links:" not in _linked(crafted())  # a history that does not say
 
 
 # -- membership: scale_up and scale_down ------------------------------------------------------
