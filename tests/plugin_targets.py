@@ -215,6 +215,18 @@ def block_forever(ctx: TaskContext) -> None:
     threading.Event().wait()
 
 
+#: Runs of `gated` wait for this event: a test of an in-process daemon sets a new one
+#: (monkeypatch), and says when its runs end by setting it.
+GATE: asyncio.Event | None = None
+
+
+async def gated(ctx: TaskContext) -> None:
+    """A run that lasts until the test opens :data:`GATE`."""
+    _record("gated", ctx)
+    assert GATE is not None, "the test sets plugin_targets.GATE to an asyncio.Event"
+    await GATE.wait()
+
+
 async def brief(ctx: TaskContext) -> None:
     """A short run (``args.seconds``, default 0.1 s), recorded with its args."""
     _record(f"brief:{json.dumps(ctx.args, sort_keys=True)}", ctx)

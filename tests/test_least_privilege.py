@@ -226,7 +226,7 @@ def privileges_used(sql: str) -> set[tuple[str, str, str]]:
     if "FROM scheduler_runs_maintain(" in sql:  # the history's upkeep: a function, not a table
         used.discard(("table", "scheduler_runs_maintain", "SELECT"))
         used.add(("function", "scheduler_runs_maintain", "EXECUTE"))
-    if "SELECT scheduler_fence(" in sql:  # session mode's fence: a function, FOR SHARE
+    if "scheduler_fence(" in sql:  # session mode's fence: a function, FOR SHARE
         used.add(("function", "scheduler_fence", "EXECUTE"))
     if "scheduler_fencing_%s_seq" in sql:  # nextval() of the loop's own sequence
         used |= {

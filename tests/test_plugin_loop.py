@@ -10,6 +10,7 @@ which is what the guarantees are about, plus `plugin_targets.calls()` for what r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -24,18 +25,21 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import plugin_targets
 import pytest
 import structlog
 from plugin_targets import CALLS, PROBE_DDL, PROBE_TABLE
+from rig.databases import RIG_APP
 from rig.processes import Daemons, run_cli
 from rig.scene import TAIL_LINES, Scene
-from rig.sql import Db
+from rig.sql import BLOCKED_BY, Db
 from rig.waiting import until
 from structlog.testing import capture_logs
 
 from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.daemon import Daemon
+from scheduler_daemon.db.sqlfiles import positional
 from scheduler_daemon.logs import get_logger
 from scheduler_daemon.plugins.schedule import Cron
 
@@ -981,3 +985,124 @@ async def test_a_result_that_cannot_be_recorded_is_closed_by_the_same_leader(pg_
         assert not lost, "closed by the leader that ran it, not by a successor"
     finally:
         await db_pg.fetch("DROP TRIGGER refuse_first_result ON scheduler_plugin_runs")
+
+
+# -- the leader's own statement aborted by a deadlock (db/postgres.sql, "Row locks") -------
+
+
+@asynccontextmanager
+async def holder(pg_url: str) -> AsyncIterator[asyncpg.Connection]:
+    """A transaction of the test's, for row locks. Its deadlock_timeout is a minute: of a
+    deadlock it makes with the leader, the leader's statement (waiting for its second,
+    the server's default) is the one the server detects it in, and aborts."""
+    conn = await asyncpg.connect(Db(pg_url).url.postgres_dsn, server_settings=RIG_APP)
+    try:
+        with contextlib.suppress(asyncpg.InsufficientPrivilegeError):  # not a superuser
+            await conn.execute("SET deadlock_timeout = '60s'")
+        async with conn.transaction():
+            yield conn
+    finally:
+        await conn.close()
+
+
+async def waiting_on(pg_url: str, conn: asyncpg.Connection, query: str) -> dict[str, Any]:
+    """The session that waits for a lock ``conn`` holds, running the named ``query`` (by
+    its text's start: the server keeps only the first 1 kB of a statement's)."""
+    start = positional("postgres", query)[0][:200]
+
+    async def blocked() -> dict[str, Any] | None:
+        rows = await Db(pg_url).fetch(BLOCKED_BY, conn.get_server_pid())
+        return next((row for row in rows if row["query"].startswith(start)), None)
+
+    found: dict[str, Any] = await until(blocked, f"{query} waiting on the test", 30)
+    return found
+
+
+@pytest.mark.postgres
+async def test_a_result_write_aborted_by_a_deadlock_is_written_on_retry(
+    pg_url: str, logs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write of a result (its run's row, then its schedule's) in a deadlock with a
+    transaction that locks the schedule's row, then the run's: the server aborts the
+    write, the batch writes it again (plugin_runs.RESULT_ATTEMPTS), and the run ends
+    `succeeded`; the schedule runs again. A result no attempt can write is closed as
+    abandoned, and its schedule runs on: the test above,
+    test_a_result_that_cannot_be_recorded_is_closed_by_the_same_leader."""
+    monkeypatch.setattr(plugin_targets, "GATE", gate := asyncio.Event())
+    db_pg = Db(pg_url)
+    tasks = [task("held", every="1h", target="plugin_targets:gated")]  # runs at once
+    async with running(pg_url, tasks):
+        await at_least(db_pg, "held", "running", 1)
+        [run] = await db_pg.runs("held")
+        async with holder(pg_url) as conn:
+            await conn.execute("SELECT FROM scheduler_plugin_tasks WHERE name = 'held' FOR UPDATE")
+            gate.set()  # the run ends: its result's write takes the run's row, then waits
+            await waiting_on(pg_url, conn, "plugin_finish")
+            # The run's row, which the write holds: the server aborts the write.
+            ids = await conn.fetch(
+                "SELECT id FROM scheduler_plugin_runs WHERE id = $1 AND slot = $2 FOR UPDATE",
+                run["id"],
+                run["slot"],
+            )
+            assert [row["id"] for row in ids] == [run["id"]], "still running"
+        await at_least(db_pg, "held", "succeeded", 1)
+        await db_pg.fetch(
+            "UPDATE scheduler_plugin_tasks SET trigger_requested_at = now() WHERE name = 'held'"
+        )
+        await at_least(db_pg, "held", "succeeded", 2)
+    retries = events(logs, "task.results_retry")
+    assert [e["error"].split(":")[0] for e in retries] == ["DeadlockDetectedError"], retries
+    assert not events(logs, "task.result_not_recorded")
+    first = (await db_pg.runs("held"))[0]
+    assert (first["id"], first["status"]) == (run["id"], "succeeded")
+
+
+@pytest.mark.postgres
+async def test_a_claim_aborted_by_a_deadlock_is_claimed_again(
+    pg_url: str, logs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tick's claim (of two schedules, whose rows it locks in name order) in a deadlock
+    with a transaction that locks the second, then the first: the server aborts the
+    claim, the tick fails (`tick.failed`) and the next one claims the same slots. Here
+    both schedules' runs are in flight (gated), so each slot due is claimed as skipped;
+    once the runs end, the slots after run."""
+    monkeypatch.setattr(plugin_targets, "GATE", gate := asyncio.Event())
+    db_pg = Db(pg_url)
+    tasks = [task(name, every="1s", target="plugin_targets:gated") for name in ("dl-a", "dl-b")]
+    async with running(pg_url, tasks) as daemon:
+        for name in ("dl-a", "dl-b"):
+            await at_least(db_pg, name, "running", 1)
+        async with holder(pg_url) as conn:
+            await conn.execute("SELECT FROM scheduler_plugin_tasks WHERE name = 'dl-b' FOR UPDATE")
+            # The next tick: it claims both due slots, has locked dl-a, waits for dl-b.
+            await waiting_on(pg_url, conn, "plugin_claim")
+            slots = {
+                row["name"]: row["next_run_at"]
+                for row in await conn.fetch("SELECT name, next_run_at FROM scheduler_plugin_tasks")
+            }
+            await conn.execute("SELECT FROM scheduler_plugin_tasks WHERE name = 'dl-a' FOR UPDATE")
+        failed = daemon.metrics.registry.get_sample_value(
+            "scheduler_ticks_total", {"loop": "plugin", "result": "failed"}
+        )
+        assert failed == 1, "the claim was aborted"
+
+        async def deadlocks() -> int:
+            [row] = await db_pg.fetch(
+                "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+            )
+            return int(row["deadlocks"])
+
+        await until(deadlocks, "the server's count of deadlocks to say so", 30)
+
+        async def claimed_again() -> bool:
+            runs = {(r["name"], r["slot"]) for r in await db_pg.runs()}
+            return all((name, slot) in runs for name, slot in slots.items())
+
+        await until(claimed_again, f"the slots of the aborted claim claimed: {slots}", 30)
+        gate.set()
+        for name in ("dl-a", "dl-b"):
+            await at_least(db_pg, name, "succeeded", 2)
+    assert len(events(logs, "tick.failed")) == 1
+    for name, slot in slots.items():
+        [again] = [r for r in await db_pg.runs(name) if r["slot"] == slot]
+        assert again["status"] in ("skipped_overlap", "succeeded"), again

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 
 import asyncpg
 import pytest
 from rig.waiting import until
 
 from scheduler_daemon.config.settings import Settings
+from scheduler_daemon.db.plugin_store import Declaration, PluginStore
 from scheduler_daemon.db.sqlfiles import queries
 from scheduler_daemon.db.url import Backend
 from scheduler_daemon.leadership.base import LeadershipLost
@@ -188,6 +190,32 @@ async def test_fenced_transactions_run_at_once_and_user_sql_leaves_no_session_st
         async with leader.fence.transaction() as tx:
             await tx.execute("COMMIT")
     assert leader.lost == []
+
+
+async def test_a_statement_that_fences_itself_writes_nothing_for_a_replaced_leader(
+    pool: asyncpg.Pool,
+) -> None:
+    """Session mode's one-round-trip bookkeeping (a claim, a refusal, a result batch) runs
+    outside a transaction, each statement fenced in its first CTE: it writes while the
+    token is the leader's, nothing once a successor drew one, and a write that does not
+    fence itself is refused there."""
+    leader = Leader(pool, await drawn(pool), "leader")
+    now = datetime.now(UTC)
+    async with leader.fence.transaction(only_ours=True) as tx:
+        await PluginStore(tx).declare(
+            [Declaration(name, "every 60s", now, "config") for name in ("a", "b")]
+        )
+    async with leader.fence.statements() as tx:
+        await PluginStore(tx).refuse({"a": "cannot run it"})
+        with pytest.raises(RuntimeError, match="does not fence itself"):
+            await PluginStore(tx).declare([Declaration("c", "every 60s", now, "config")])
+    await drawn(pool)  # a successor
+    with pytest.raises(LeadershipLost):
+        async with leader.fence.statements() as tx:
+            await PluginStore(tx).refuse({"b": "cannot run it"})
+    paused = await pool.fetch("SELECT name, paused FROM scheduler_plugin_tasks ORDER BY name")
+    assert [(row["name"], row["paused"]) for row in paused] == [("a", True), ("b", False)]
+    assert leader.lost == ["a newer leader drew the loop's fencing token"]
 
 
 def test_a_second_deployment_on_its_own_lock_key_has_a_fencing_row_of_its_own() -> None:

@@ -165,10 +165,16 @@ def _held(statement_lock: asyncio.Lock | None) -> contextlib.AbstractAsyncContex
     return statement_lock if statement_lock is not None else contextlib.nullcontext()
 
 
+# A statement that fences itself (``fence_*`` parameters, leadership/token_fence.py) run
+# where it needs not: in a transaction already fenced, or outside any loop.
+NO_FENCE: Mapping[str, Any] = {"fence_loop": None, "fence_token": None, "fence_newest": None}
+
+
 class PgTx:
     """A transaction's statements. ``statement_lock``: taken around each statement, so that a
-    heartbeat can talk on the same connection between them (session mode's lock
-    connection: see the session guard's heartbeat)."""
+    heartbeat can talk on the same connection between them (a sharded member's lock
+    connection: see the session guard's heartbeat). ``fence``: the values of the
+    ``fence_*`` parameters of the statements that fence themselves."""
 
     def __init__(
         self,
@@ -176,11 +182,13 @@ class PgTx:
         fencing_token: int | None = None,
         statement_lock: asyncio.Lock | None = None,
         shards: ShardScope | None = None,
+        fence: Mapping[str, Any] = NO_FENCE,
     ) -> None:
         self.conn = conn
         self.fencing_token = fencing_token
         self.statement_lock = statement_lock
         self.shards = shards
+        self.fence = fence
 
     async def execute(self, sql: str, statement_timeout: float | None = None) -> None:
         async with _held(self.statement_lock):
@@ -207,7 +215,7 @@ class PgTx:
 
     async def query(self, query: str, **params: Any) -> list[dict[str, Any]]:
         text, names = positional("postgres", query)
-        args = [params[name] for name in names]
+        args = [params[name] if name in params else self.fence[name] for name in names]
         async with _held(self.statement_lock):
             return [dict(row) for row in await self.conn.fetch(text, *args)]
 

@@ -690,6 +690,47 @@ ORDER BY s.shard
 -- claims or records checks every shard's fencing token against scheduler_fencing (the
 -- shard's epoch, drawn by its owner when it took the shard): a statement of an owner that
 -- has been replaced does nothing for that shard, whatever its connection still holds.
+--
+-- Row locks. An UPDATE locks each row it changes as its plan reaches it: an UPDATE ...
+-- FROM jsonb_to_recordset(...) in its join's order (the batch's, the table's, an index's:
+-- the planner's choice), an operator's bulk UPDATE in its scan's. Two statements that lock
+-- rows of one table in different orders can deadlock, and PostgreSQL aborts one of them
+-- (an operator's bulk UPDATE of 1,000 schedules and a result batch did, in a benchmark).
+-- Two that lock in the same order cannot: the second waits for the first. So every
+-- statement here that writes several rows of scheduler_plugin_tasks locks them first, in
+-- name order, in a CTE `locked`: the batch joined to its schedules' rows, ORDER BY name
+-- FOR NO KEY UPDATE OF t (the lock the UPDATE itself takes), MATERIALIZED (run once, in
+-- that order). The UPDATE then takes its batch from `locked` (FROM locked, where it had
+-- FROM the batch), so each row it changes has come out of `locked` before: it is locked
+-- already, and the UPDATE takes no lock of its own, in no other order. Which rows change
+-- is still the UPDATE's own WHERE: `locked` keeps the batch's rows whose schedule exists
+-- (and is in the shard scope), and decides nothing else; where it repeats the UPDATE's
+-- conditions (a declaration's, the trims'), that is only to lock no more than will
+-- change, and it checks them on the newest version too. Nor does waiting there change an
+-- outcome: the statement's snapshot is older than the change it waited for, so the UPDATE
+-- finds the row changed and checks its WHERE again on the newest version, as it would
+-- have had it waited itself (READ COMMITTED; the claim's compare-and-set relies on it). A
+-- row locked and not changed (a claim whose compare-and-set fails) stays locked until the
+-- transaction ends, a moment later. Operators are asked to lock in name order too
+-- (docs/operations.md, "Changing many schedules in one statement"); tests/test_lock_order.py
+-- runs their statement beside each of these.
+--
+-- Across the two tables, runs before schedules: a result batch locks its runs' rows, then
+-- their schedules'; the claim locks schedules and only inserts runs (new rows, which no
+-- one else waits for). A running run's row is written by one statement at a time: by the
+-- batch that ran it (an abandon passes over the runs in flight, and a new leader's fence
+-- waits for the old leader's transactions to end), so those are left in their join's
+-- order. Where one transaction locks schedules in more than one statement (a takeover's
+-- declaration, or a refusal, then the claim, where they share a transaction), each
+-- statement's are in name order, not all of them together: a bulk change over both could
+-- still deadlock with it, rarely (a changed declaration, a refused row), and fail a tick.
+
+-- Self-fenced statements. Session mode runs a tick's claim, a refusal and a result batch
+-- each as one statement outside a transaction (leadership/token_fence.py, one round trip):
+-- such a statement fences itself in its first CTE, `fence`, with scheduler_fence (the
+-- loop's fencing row FOR SHARE until the statement commits, its token still the caller's;
+-- migration 0015), and writes nothing unless `fence` says so. In a transaction already
+-- fenced (the other modes, a sharded member, a takeover's transaction) :fence_loop is NULL.
 
 -- name: now
 SELECT now() AS now
@@ -727,19 +768,32 @@ inserted AS (
     ON CONFLICT (name) DO NOTHING
     RETURNING name
 ),
+-- Row locks (above): the rows `changed` and `retired` change, together, in name order.
+-- Their own conditions, so that a takeover that changes nothing locks nothing.
+locked AS MATERIALIZED (
+    SELECT t.name, i.name IS NOT NULL AS declared, i.schedule, i.first, i.source
+    FROM scheduler_plugin_tasks t LEFT JOIN input i ON i.name = t.name
+    WHERE t.target IS NULL
+      AND CASE WHEN i.name IS NULL THEN t.active  -- to retire (below)
+               ELSE t.schedule <> i.schedule OR NOT t.active OR t.source <> i.source END
+    ORDER BY t.name
+    FOR NO KEY UPDATE OF t
+),
 changed AS (
     UPDATE scheduler_plugin_tasks t
     SET schedule = i.schedule, source = i.source, active = true, updated_at = now(),
         next_run_at = CASE WHEN t.schedule <> i.schedule THEN i.first ELSE t.next_run_at END
-    FROM input i
-    WHERE t.name = i.name AND t.target IS NULL
+    FROM locked i
+    WHERE t.name = i.name AND i.declared AND t.target IS NULL
       AND (t.schedule <> i.schedule OR NOT t.active OR t.source <> i.source)
     RETURNING t.name
 ),
 retired AS (
-    UPDATE scheduler_plugin_tasks SET active = false, updated_at = now()
-    WHERE active AND target IS NULL AND name NOT IN (SELECT name FROM input)
-    RETURNING name
+    UPDATE scheduler_plugin_tasks t SET active = false, updated_at = now()
+    FROM locked l
+    WHERE t.name = l.name AND NOT l.declared
+      AND t.active AND t.target IS NULL AND t.name NOT IN (SELECT name FROM input)
+    RETURNING t.name
 )
 SELECT 'registered' AS change, name FROM inserted
 UNION ALL
@@ -823,7 +877,12 @@ SELECT 'outlook', now(), NULL,
 -- next_run_at and, if it starts a run, on the trigger it saw, so that of two claims of one
 -- schedule the second waits on the row and then finds it changed (a claim that starts a
 -- run moves next_run_at or consumes the trigger).
-WITH claim AS (
+WITH fence AS MATERIALIZED (  -- Self-fenced (above)
+    SELECT CASE WHEN :fence_loop::text IS NULL THEN true
+                ELSE scheduler_fence(:fence_loop::text, :fence_token::bigint,
+                                     :fence_newest::integer) END AS ok
+),
+claim AS (
     SELECT * FROM jsonb_to_recordset(:claims::text::jsonb)
         AS c(name text, seen_next timestamptz, next timestamptz, seen_trigger timestamptz,
              run_slot timestamptz, skip_slot timestamptz)
@@ -831,6 +890,18 @@ WITH claim AS (
 current_shards AS (  -- the shards whose token is still the caller's
     SELECT o.shard FROM jsonb_to_recordset(:owned::text::jsonb) AS o(shard int, token bigint)
     JOIN scheduler_fencing f ON f.loop = 'plugin/' || o.shard AND f.token = o.token
+),
+-- Row locks (above): the claims whose schedules are in scope, each schedule's row locked,
+-- in name order, before `advanced` changes any. By name and shard only: the compare-and-
+-- set is still `advanced`'s, on each row's newest version (a claim that waited here for a
+-- change of next_run_at, the trigger or the pause does nothing for that schedule: looked
+-- at again next tick).
+locked AS MATERIALIZED (
+    SELECT c.* FROM scheduler_plugin_tasks t JOIN claim c ON c.name = t.name
+    WHERE (SELECT ok FROM fence)
+      AND (:owned::text IS NULL OR t.shard_hash % :k IN (SELECT shard FROM current_shards))
+    ORDER BY t.name
+    FOR NO KEY UPDATE OF t
 ),
 advanced AS (
     UPDATE scheduler_plugin_tasks t
@@ -842,7 +913,7 @@ advanced AS (
         last_status = CASE WHEN c.run_slot IS NULL THEN t.last_status ELSE 'running' END,
         run_count = t.run_count + (c.run_slot IS NOT NULL)::int,
         updated_at = now()
-    FROM claim c
+    FROM locked c
     WHERE t.name = c.name AND t.next_run_at = c.seen_next AND t.active AND NOT t.paused
       -- A claim that starts a run saw the trigger it consumes (or none): still the same.
       AND (c.run_slot IS NULL OR t.trigger_requested_at IS NOT DISTINCT FROM c.seen_trigger)
@@ -868,9 +939,23 @@ RETURNING id, name, slot, status
 -- name: plugin_refuse
 -- Runtime schedules this leader cannot run (a target it does not declare runnable, a
 -- schedule it cannot read): paused, with the reason, until an operator resumes them.
+WITH fence AS MATERIALIZED (  -- Self-fenced (above)
+    SELECT CASE WHEN :fence_loop::text IS NULL THEN true
+                ELSE scheduler_fence(:fence_loop::text, :fence_token::bigint,
+                                     :fence_newest::integer) END AS ok
+),
+refused AS (
+    SELECT * FROM jsonb_to_recordset(:refused::text::jsonb) AS r(name text, error text)
+),
+locked AS MATERIALIZED (  -- Row locks (above)
+    SELECT r.* FROM scheduler_plugin_tasks t JOIN refused r ON r.name = t.name
+    WHERE (SELECT ok FROM fence)
+    ORDER BY t.name
+    FOR NO KEY UPDATE OF t
+)
 UPDATE scheduler_plugin_tasks t
 SET paused = true, last_status = 'failed', last_error = r.error, updated_at = now()
-FROM jsonb_to_recordset(:refused::text::jsonb) AS r(name text, error text)
+FROM locked r
 WHERE t.name = r.name
 RETURNING t.name
 
@@ -878,7 +963,12 @@ RETURNING t.name
 -- A batch of results: each run's row, then its schedule's last_* columns, failure count
 -- and auto-pause (set-based: one statement, whatever the batch holds). A run already
 -- closed by someone else (abandoned) records nothing.
-WITH result AS (
+WITH fence AS MATERIALIZED (  -- Self-fenced (above)
+    SELECT CASE WHEN :fence_loop::text IS NULL THEN true
+                ELSE scheduler_fence(:fence_loop::text, :fence_token::bigint,
+                                     :fence_newest::integer) END AS ok
+),
+result AS (
     SELECT * FROM jsonb_to_recordset(:results::text::jsonb)
         AS r(id bigint, slot timestamptz, status text, error text, finished_at timestamptz)
 ),
@@ -890,10 +980,15 @@ finished AS (
     UPDATE scheduler_plugin_runs p
     SET status = r.status, error = r.error, finished_at = r.finished_at
     FROM result r
-    WHERE p.id = r.id AND p.slot = r.slot AND p.status = 'running'
+    WHERE (SELECT ok FROM fence) AND p.id = r.id AND p.slot = r.slot AND p.status = 'running'
       AND (:owned::text IS NULL
            OR scheduler_shard_hash(p.name) % :k IN (SELECT shard FROM current_shards))
     RETURNING p.name, r.status, r.error, r.finished_at
+),
+locked AS MATERIALIZED (  -- Row locks (above): the runs' schedules, in name order
+    SELECT f.* FROM scheduler_plugin_tasks t JOIN finished f ON f.name = t.name
+    ORDER BY t.name
+    FOR NO KEY UPDATE OF t
 )
 UPDATE scheduler_plugin_tasks t
 SET last_finished_at = f.finished_at, last_status = f.status, last_error = f.error,
@@ -905,7 +1000,7 @@ SET last_finished_at = f.finished_at, last_status = f.status, last_error = f.err
     -- together, whose counts move in step, do not all come due at once).
     history_trim_due = t.history_trim_due OR (t.run_count + t.shard_hash) % :trim_every = 0,
     updated_at = now()
-FROM finished f
+FROM locked f
 WHERE t.name = f.name
 RETURNING t.name, t.consecutive_failures, t.paused, t.run_count
 
@@ -926,8 +1021,15 @@ RETURNING p.id
 SELECT name FROM scheduler_plugin_tasks WHERE history_trim_due ORDER BY name LIMIT :limit
 
 -- name: plugin_trim_done
-UPDATE scheduler_plugin_tasks SET history_trim_due = false
-WHERE name = ANY(:names::text[]) AND history_trim_due
+WITH locked AS MATERIALIZED (  -- Row locks (above)
+    SELECT name FROM scheduler_plugin_tasks
+    WHERE name = ANY(:names::text[]) AND history_trim_due
+    ORDER BY name
+    FOR NO KEY UPDATE
+)
+UPDATE scheduler_plugin_tasks t SET history_trim_due = false
+FROM locked l
+WHERE t.name = l.name AND t.history_trim_due
 
 -- name: runs_maintain
 -- One step of the history's upkeep (migration 0012: days made ahead, days dropped whole

@@ -108,6 +108,14 @@ class Lease(Protocol):
         such SQL (session mode's savepoint and restore)."""
         ...
 
+    def statements(self) -> AbstractAsyncContextManager[Tx]:
+        """Statements that each fence themselves, outside a transaction (session mode:
+        leadership/token_fence.py): one round trip a write, for the loops' bookkeeping
+        that is one statement (a tick's read and claim, a result batch). Only named queries
+        written to fence themselves may write there. Where a guard has no such fence
+        (transaction mode, SQLite, a sharded member), a fenced transaction (``only_ours``)."""
+        ...
+
     async def run_tick(self, tick: Callable[[], Awaitable[T]]) -> T: ...
 
     @property
@@ -397,6 +405,9 @@ class LeaseState:
 
     def transaction(self, *, only_ours: bool = False) -> AbstractAsyncContextManager[Tx]:
         raise NotImplementedError  # each guard's lease fences its own way
+
+    def statements(self) -> AbstractAsyncContextManager[Tx]:
+        return self.transaction(only_ours=True)
 
     def hold(self) -> AbstractAsyncContextManager[Lease]:
         return _AlreadyHeld(self)

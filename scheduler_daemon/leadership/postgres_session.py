@@ -188,6 +188,22 @@ class SessionLease(LeaseState):
             self._closed_already()  # the failure is the closed session showing
             raise
 
+    @asynccontextmanager
+    async def statements(self) -> AsyncIterator[PgTx]:
+        if self.fence is None:  # a sharded member: its transactions are its fence
+            async with self.transaction(only_ours=True) as tx:
+                yield tx
+            return
+        self._closed_already()
+        if self.lost.is_set():
+            raise LeadershipLost(self.reason or "lost")
+        try:
+            async with self.fence.statements() as tx:
+                yield tx
+        except BaseException:
+            self._closed_already()
+            raise
+
     def _closed_already(self) -> None:
         """A lock connection found closed is a session, and a lock, that are over: said at
         once, not when asyncpg's close callback runs (a connection that the server ended

@@ -22,14 +22,20 @@ share of the row with it.
 BEGIN, the transaction's settings and the fence go in one round trip; a ``sql`` task's
 statement goes with its timeout; COMMIT is the last. A task's SQL cannot reach the lock:
 it runs in another session than the one that holds it.
+
+The loops' bookkeeping that is a single statement (a tick's claim, a result batch) needs
+no transaction: :meth:`TokenFence.statements` runs such statements on their own, each
+fencing itself in its first CTE (the same function, its share of the row held until that
+statement commits): one round trip a write.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import asyncpg
 
@@ -77,6 +83,37 @@ class SqlEndedFence(RuntimeError):
             "SQL in a fenced transaction ended it (COMMIT or ROLLBACK): statements after "
             "that ran unfenced; a task's SQL must not end its transaction"
         )
+
+
+# What a self-fenced statement may be without a fence of its own: reads.
+UNFENCED_READS = frozenset({"plugin_due", "now"})
+
+
+class SelfFencedTx(PgTx):
+    """Statements outside a transaction, each its own: only those that fence themselves
+    (``fence_*`` parameters) may write (see :meth:`TokenFence.statements`)."""
+
+    async def query(self, query: str, **params: Any) -> list[dict[str, Any]]:
+        if query not in UNFENCED_READS and ":fence_loop" not in QUERIES[query]:
+            raise RuntimeError(f"{query} does not fence itself: run it in lease.transaction()")
+        return await super().query(query, **params)
+
+    async def fetch(self, query: str, *args: Any) -> list[dict[str, Any]]:
+        raise RuntimeError("only self-fenced named queries run outside a transaction")
+
+    async def execute(self, sql: str, statement_timeout: float | None = None) -> None:
+        raise RuntimeError("only self-fenced named queries run outside a transaction")
+
+    async def run(self, sql: str, *args: Any) -> None:
+        raise RuntimeError("only self-fenced named queries run outside a transaction")
+
+    async def run_many(self, sql: str, args: Sequence[Sequence[Any]]) -> None:
+        raise RuntimeError("only self-fenced named queries run outside a transaction")
+
+    @asynccontextmanager
+    async def savepoint(self) -> AsyncIterator[None]:
+        raise RuntimeError("no savepoint outside a transaction")
+        yield  # a generator, as the method it replaces
 
 
 class PooledTx(PgTx):
@@ -151,6 +188,9 @@ class TokenFence:
         places = max(1, settings.database.pool_max_size - RESERVED_CONNECTIONS)
         self._user_places = asyncio.Semaphore(places)
         self._in_use: set[asyncpg.Connection] = set()
+        self._statement_fence = {
+            "fence_loop": loop, "fence_token": token, "fence_newest": schema.newest
+        }  # fmt: skip
 
     def terminate(self) -> None:
         """Drop every connection a fenced transaction holds: what asyncpg waits for on a
@@ -176,6 +216,32 @@ class TokenFence:
                     yield tx
             finally:
                 await self._release(conn)
+
+    @asynccontextmanager
+    async def statements(self) -> AsyncIterator[PgTx]:
+        """A pooled connection whose statements each fence themselves, outside any
+        transaction: a named query with ``fence_*`` parameters calls ``scheduler_fence`` in
+        its first CTE, and commits or fails whole, in one round trip (the loops'
+        single-statement bookkeeping: a tick's claim, a result batch). Reads need no fence;
+        any other write is refused here, unfenced."""
+        conn = await self.pool.acquire()
+        self._in_use.add(conn)
+        try:
+            yield SelfFencedTx(conn, self.token, fence=self._statement_fence)
+        except asyncpg.PostgresError as exc:
+            self._superseded(exc)
+            raise
+        finally:
+            await self._release(conn)
+
+    def _superseded(self, exc: asyncpg.PostgresError) -> None:
+        """What scheduler_fence said, as what it means here (a loss, a newer schema)."""
+        if exc.sqlstate == SUPERSEDED:
+            reason = "a newer leader drew the loop's fencing token"
+            self.lose(reason)
+            raise LeadershipLost(reason) from None
+        if exc.sqlstate == SCHEMA_NEWER:
+            self.schema.check(int(exc.detail or 0), self.log, "fence")
 
     @asynccontextmanager
     async def _fenced(self, conn: asyncpg.Connection, only_ours: bool) -> AsyncIterator[PgTx]:
@@ -231,12 +297,7 @@ class TokenFence:
             await conn.execute(";\n".join(("BEGIN", fence)))
         except asyncpg.PostgresError as exc:
             await self._end(conn, "ROLLBACK", only_ours=True)
-            if exc.sqlstate == SUPERSEDED:
-                reason = "a newer leader drew the loop's fencing token"
-                self.lose(reason)
-                raise LeadershipLost(reason) from None
-            if exc.sqlstate == SCHEMA_NEWER:
-                self.schema.check(int(exc.detail or 0), self.log, "fence")
+            self._superseded(exc)
             raise
 
     async def _end(self, conn: asyncpg.Connection, how: str, only_ours: bool) -> None:

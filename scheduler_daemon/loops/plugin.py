@@ -113,6 +113,9 @@ class PluginWork:
         # The leadership's first tick takes over: reconciles the declared tasks and closes
         # the runs a predecessor left `running`. Until one has committed, every tick tries.
         self._taken_over = False
+        # A declared task another deployment declares was found by a tick that had no
+        # transaction to reconcile in: the next tick has one.
+        self._declare_due = False
         self._runtime: dict[tuple[str, Any], TaskSpec] = {}  # built from rows, reused
         self._last_tick = 0.0
         self._lag_warned = 0.0
@@ -129,16 +132,27 @@ class PluginWork:
             await self.listener.ensure()  # before the read below: no change goes unheard
         taking_over = not self._taken_over
         shards: list[ShardLease] = []
+        # Closed by this tick (see below), and the shards taken since the last tick.
+        orphans = dict(self.runs.orphans)
+        new_shards: list[ShardLease] = []
         fence: AbstractAsyncContextManager[Tx]
+        self_fenced = False
         if self.sharded:
             member = cast("MemberLease", tick.lease)
             member.wake_loop = self.wake  # a shard taken is claimed for at once
             shards = member.active_shards()
             if not shards and not taking_over:
                 return None  # nothing to lead yet; a shard taken wakes us
+            new_shards = [s for s in shards if s.needs_abandon]
             fence = member.fenced(shards, only_ours=True)
-        else:
+        elif taking_over or not self.sticky or orphans or self._declare_due:
             fence = tick.lease.transaction(only_ours=True)
+        else:
+            # The common tick is two statements: the read, then the claim, which fences
+            # itself (one round trip each, no transaction around them: the claim is a
+            # compare-and-set on what the read saw, as it is in a transaction).
+            fence = tick.lease.statements()
+            self_fenced = True
         holds: list[tuple[Lease, PendingHold, list[Start]]] = []
         try:
             async with fence as tx:
@@ -150,8 +164,6 @@ class PluginWork:
                 # over, in transaction mode every tick that wins. (Had their replica lost
                 # its hold to the server and still be stopping them, the guard waited for
                 # it before this tick: see the guards' settle.)
-                orphans = dict(self.runs.orphans)
-                new_shards = [s for s in shards if s.needs_abandon]
                 if taking_over or not self.sticky or orphans or new_shards:
                     await self._abandon(store, tick.log, orphans)
                 # Schedules in flight are read too (their slot is skipped as overlapping),
@@ -172,8 +184,12 @@ class PluginWork:
                     # The leader's declarations win. Sharded, members of two deployments
                     # (a rolling deploy) would retire each other's new tasks: a member
                     # declares when it joins, and leaves a task it does not know to the
-                    # members that do.
-                    await self._declare(store, tick.log)
+                    # members that do. Several statements: in a transaction, the next
+                    # tick's at once if this one has none.
+                    if self_fenced:
+                        self._declare_due = True
+                    else:
+                        await self._declare(store, tick.log)
                 if plan_.refused:
                     await store.refuse(plan_.refused)
                     for name, reason in plan_.refused.items():
@@ -182,7 +198,7 @@ class PluginWork:
                     claimed = await store.claim(self.settings.instance_id, plan_.claims)
                     starts = self._starts(plan_, claimed, tick.log)
                 self._report(batch, plan_, tick.log)
-                wake = self._next_wake(batch, plan_, limit)
+                wake = 0.0 if self._declare_due else self._next_wake(batch, plan_, limit)
                 for lease, group in self._by_lease(tick.lease, shards, starts):
                     holds.append((lease, await lease.hold_after(tx), group))
         except BaseException:
@@ -190,6 +206,8 @@ class PluginWork:
                 await hold.discard()  # what it would have run was rolled back
             raise
         self._taken_over = True  # committed: reconciled, and its predecessors' runs closed
+        if not self_fenced:
+            self._declare_due = False
         for shard in new_shards:
             shard.needs_abandon = False
         for run_id, name in orphans.items():  # closed: their schedules may run again

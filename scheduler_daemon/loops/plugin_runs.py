@@ -246,8 +246,8 @@ class PluginRuns:
         limit = self.settings.plugin.max_consecutive_failures
         if self.sharded:  # with the other shards' results, in one transaction
             finished = await self._results.write(cast("ShardLease", hold), ended)
-        else:
-            async with hold.transaction(only_ours=True) as tx:
+        else:  # one statement that fences itself (session mode: one round trip)
+            async with hold.statements() as tx:
                 finished = await self._finish(PluginStore(tx), ended)
         for each in ended:  # said once recorded: a reader of the log finds it in the table
             if each.result.status == "succeeded":

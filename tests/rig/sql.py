@@ -51,6 +51,14 @@ ORDER BY l.granted DESC
 """
 
 
+# The sessions waiting for a lock that backend $1 holds (PostgreSQL), and what they run.
+BLOCKED_BY = """
+SELECT pid, wait_event_type, query FROM pg_stat_activity
+WHERE $1 = ANY(pg_blocking_pids(pid))
+ORDER BY pid
+"""
+
+
 async def afetch(url: str, sql: str, *params: Any) -> list[dict[str, Any]]:
     if url.startswith("sqlite"):
         return await asyncio.to_thread(_sqlite_fetch, url, sql, params)

@@ -18,11 +18,13 @@
 -- the transaction ends, so a migration waits for it: schema_gate.py), against the newest
 -- the caller's build knows.
 --
--- Failures are errors, so that BEGIN, the settings and this check go in one round trip:
+-- It answers true, or fails, so that BEGIN, the settings and this check go in one round
+-- trip, and so that a single statement can fence itself in its first CTE (db/postgres.sql,
+-- "Self-fenced statements"):
 --   SDF01  the token is no longer the caller's (a successor drew one)
 --   SDF02  the schema is newer than the caller knows (DETAIL: the version)
 CREATE FUNCTION scheduler_fence(fence_loop text, fence_token bigint, newest_known integer)
-RETURNS void
+RETURNS boolean
 LANGUAGE plpgsql AS $$
 DECLARE
     current_token bigint;
@@ -38,6 +40,7 @@ BEGIN
         RAISE EXCEPTION 'fencing token % of loop % is superseded (now %)',
             fence_token, fence_loop, current_token USING ERRCODE = 'SDF01';
     END IF;
+    RETURN true;  -- or no answer at all: the error
 END $$;
 
 -- Its names resolve in this schema (not the caller's search_path).
