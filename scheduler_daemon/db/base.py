@@ -244,11 +244,14 @@ class CommitWatch(Protocol):
 
 
 class Tx(Protocol):
-    """One open transaction, on the connection the leadership guard chose.
+    """One open transaction (or, from ``lease.statements()``, statements that each fence
+    themselves), on the connection the leadership guard chose.
 
-    In PostgreSQL session mode that is the leader's own lock connection: if the leader lost
-    its session, the transaction cannot commit (fencing). In transaction mode the same
-    transaction holds the tick's ``pg_try_advisory_xact_lock``.
+    In PostgreSQL session mode that is a pooled connection whose first statement checks
+    the loop's fencing token, holding its row until the end (leadership/token_fence.py): a
+    replaced leader's transaction cannot commit after its successor drew a token (a
+    sharded member's runs on its lock connection, fenced by its shard locks). In
+    transaction mode the same transaction holds the tick's ``pg_try_advisory_xact_lock``.
     """
 
     #: The fencing token of the leadership this transaction is fenced by (None for an

@@ -53,11 +53,12 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
 
 async def _keep_session(conn: asyncpg.Connection) -> None:
     """Session mode's pool reset: none. asyncpg's default runs ``pg_advisory_unlock_all();
-    CLOSE ALL; UNLISTEN *; RESET ALL`` on every release (a database transaction each
-    time), against session state that only user SQL could leave behind, and in session
-    mode user SQL runs on the lock connections, never on the pool. An open transaction is
-    still rolled back (asyncpg does that before calling this). Transaction mode keeps the
-    default: there tasks' and publishers' SQL runs on pooled connections."""
+    CLOSE ALL; UNLISTEN *; RESET ALL`` on every release (a round trip each time), against
+    session state that only user SQL could leave behind; in session mode the fenced
+    transaction that ran user SQL clears it with its own COMMIT or ROLLBACK, in the same
+    round trip (leadership/token_fence.py, ``session_clean``), and the loops' bookkeeping
+    leaves none. An open transaction is still rolled back (asyncpg does that before
+    calling this). Transaction mode keeps the default."""
 
 
 def _publication(row: Mapping[str, Any]) -> Publication:
