@@ -58,6 +58,11 @@ class Metrics:
             ["loop"],
             registry=r,
         )
+        self._shard_metrics(r)
+        self._work_metrics(r)
+        self._table_metrics(r)
+
+    def _shard_metrics(self, r: CollectorRegistry) -> None:
         self.shards = Gauge(
             "scheduler_shards",
             "The loop's shard count (plugin.shards; 1: one leader leads every schedule).",
@@ -83,6 +88,8 @@ class Metrics:
             ["loop", "event", "reason"],
             registry=r,
         )
+
+    def _work_metrics(self, r: CollectorRegistry) -> None:
         self.publications_published = Counter(
             "scheduler_publications_published_total", "Publications published.", registry=r
         )
@@ -119,6 +126,8 @@ class Metrics:
             ["task"],
             registry=r,
         )
+
+    def _table_metrics(self, r: CollectorRegistry) -> None:
         # Facts of the database, not of this replica: every replica reports the same,
         # read when /metrics is scraped (http.py, at most every TABLES_REFRESH seconds).
         self.table_bytes = Gauge(

@@ -6,6 +6,8 @@ is still the cycle)."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -124,3 +126,47 @@ def test_no_product_module_is_over_500_lines() -> None:
         if (lines := len(path.read_text("utf-8").splitlines())) > 520
     }
     assert long == {}
+
+
+# The complexity budget: a function a reader can hold in mind. Cyclomatic complexity at
+# most 15, as mccabe counts it: ruff's C901 (pyproject.toml), run over the package here
+# too, so that the whole budget is one file to read; and at most 60 lines of body,
+# without the docstring.
+MAX_COMPLEXITY = 15
+MAX_FUNCTION_LINES = 60
+
+
+def body_lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    body = function.body
+    first = body[0]
+    docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+    if docstring and len(body) > 1:
+        first = body[1]
+    return (function.end_lineno or first.lineno) - first.lineno + 1
+
+
+def test_every_function_is_at_most_60_lines() -> None:
+    long = {
+        f"{name}:{node.name}": lines
+        for name, path in module_names().items()
+        for node in ast.walk(ast.parse(path.read_text("utf-8")))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (lines := body_lines(node)) > MAX_FUNCTION_LINES
+    }
+    assert long == {}
+
+
+def test_every_function_is_at_most_complexity_15() -> None:
+    ruff = Path(sys.executable).with_name("ruff")
+    checked = subprocess.run(
+        [str(ruff), "check", "--select", "C901", "--output-format", "concise",
+         "--config", f"lint.mccabe.max-complexity = {MAX_COMPLEXITY}", str(PACKAGE)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_budget_counts_lines_without_the_docstring() -> None:
+    source = 'def f(x):\n    """doc\n    more"""\n    if x:\n        return 1\n    return 2\n'
+    [function] = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)]
+    assert body_lines(function) == 3

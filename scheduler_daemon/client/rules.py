@@ -199,6 +199,34 @@ def _first_problem(exc: ValidationError) -> str:
     return f"{key}: {message}" if key else message
 
 
+def _check_names(name: str, target: str, cron: str | None, timezone: str) -> None:
+    """A runtime schedule's name and target as the database can keep them."""
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidInput("name must not be empty")
+    if len(name) > MAX_TASK_NAME_LENGTH:
+        raise InvalidInput(
+            f"name is {len(name)} characters, over the limit of {MAX_TASK_NAME_LENGTH}"
+        )
+    for what, text in (("name", name), ("cron", cron), ("timezone", timezone)):
+        problem = _unstorable(text) if isinstance(text, str) else None
+        if problem is not None:
+            raise InvalidInput(f"{what} holds {problem}")
+    if not isinstance(target, str) or _TARGET.fullmatch(target) is None:
+        raise InvalidInput(f"target {target!r} is not of the form 'package.module:function'")
+
+
+def _args_json(args: Mapping[str, Any] | None, max_args_bytes: int) -> str:
+    """``args`` as stored: a JSON object within the payload limits (None: ``{}``)."""
+    if args is None:
+        args = {}
+    if not isinstance(args, Mapping):
+        raise InvalidInput(f"args must be a JSON object, not {type(args).__name__}")
+    try:
+        return encode_payload(dict(args), max_args_bytes)
+    except InvalidInput as exc:
+        raise InvalidInput("args" + str(exc).removeprefix("payload")) from None
+
+
 def validate_runtime_schedule(
     name: str,
     *,
@@ -228,26 +256,8 @@ def validate_runtime_schedule(
     slot after the database's now: an interval runs at once, a cron expression at its
     next match) or a timezone-aware time (in the past: due at once).
     """
-    if not isinstance(name, str) or not name.strip():
-        raise InvalidInput("name must not be empty")
-    if len(name) > MAX_TASK_NAME_LENGTH:
-        raise InvalidInput(
-            f"name is {len(name)} characters, over the limit of {MAX_TASK_NAME_LENGTH}"
-        )
-    for what, text in (("name", name), ("cron", cron), ("timezone", timezone)):
-        problem = _unstorable(text) if isinstance(text, str) else None
-        if problem is not None:
-            raise InvalidInput(f"{what} holds {problem}")
-    if not isinstance(target, str) or _TARGET.fullmatch(target) is None:
-        raise InvalidInput(f"target {target!r} is not of the form 'package.module:function'")
-    if args is None:
-        args = {}
-    if not isinstance(args, Mapping):
-        raise InvalidInput(f"args must be a JSON object, not {type(args).__name__}")
-    try:
-        args_json = encode_payload(dict(args), max_args_bytes)
-    except InvalidInput as exc:
-        raise InvalidInput("args" + str(exc).removeprefix("payload")) from None
+    _check_names(name, target, cron, timezone)
+    args_json = _args_json(args, max_args_bytes)
     fields: dict[str, Any] = {
         "name": name,
         "target": target,

@@ -49,18 +49,7 @@ async def heartbeat(
         lease.quiet_interval = lease.settings.lock.quiet_proof_interval
     while True:
         lease.replan.clear()  # before looking: a wake-up from here on is kept
-        # Judged by the step-down bound: a lease with work running (or any lease, unless
-        # quiet). Otherwise proven at the quiet pace, or at once when work waits for it.
-        quiet_every = lease.quiet_interval
-        judged = quiet_every is None or (lease.working and not lease.proof_wanted)
-        if judged or quiet_every is None:  # (the second: for the type checker)
-            due = lease.last_proven + interval
-        elif lease.proof_wanted:
-            due = 0.0
-        else:
-            due = lease.last_proven + quiet_every
-        # One interval after the last proof, whoever made it: the work's own fenced
-        # transactions prove the lock too, and then no heartbeat is needed.
+        judged, due = _next_proof(lease, interval)
         wait = due - time.monotonic()
         if wait > 0:
             await wait_any([lease.replan], wait)  # set only for a quiet lease
@@ -105,3 +94,17 @@ async def heartbeat(
         lease.last_proven = max(lease.last_proven, sent)
         proved, lease.proved = lease.proved, asyncio.Event()
         proved.set()
+
+
+def _next_proof(lease: LeaseState, interval: float) -> tuple[bool, float]:
+    """Whether the next proof is judged by the step-down bound (a lease with work running,
+    or any lease unless quiet), and when it is due: one interval after the last proof,
+    whoever made it (a sharded member's fenced transactions prove the lock too); at the
+    quiet pace otherwise, or at once when work waits for it."""
+    quiet_every = lease.quiet_interval
+    judged = quiet_every is None or (lease.working and not lease.proof_wanted)
+    if judged or quiet_every is None:  # (the second: for the type checker)
+        return True, lease.last_proven + interval
+    if lease.proof_wanted:
+        return False, 0.0
+    return False, lease.last_proven + quiet_every

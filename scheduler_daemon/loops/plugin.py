@@ -84,6 +84,19 @@ class TickPlan:
     unknown: bool = False  # a declared task another deployment declares: not ours
 
 
+@dataclass(slots=True)
+class TickScope:
+    """How one tick fences its work (``fence``: a transaction, or statements that fence
+    themselves), and what it closes once committed."""
+
+    fence: AbstractAsyncContextManager[Tx]
+    taking_over: bool
+    orphans: dict[int, str]  # runs whose results will never be written, by id
+    self_fenced: bool = False
+    shards: list[ShardLease] = field(default_factory=list)
+    new_shards: list[ShardLease] = field(default_factory=list)  # their runs to close
+
+
 class PluginWork:
     name = "plugin"
 
@@ -123,96 +136,26 @@ class PluginWork:
     # -- the tick ------------------------------------------------------------------------
 
     async def tick(self, tick: Tick) -> float | None:
-        starts: list[Start] = []
         spacing = self._last_tick + TICK_SPACING - time.monotonic()
         if spacing > 0:
             await asyncio.sleep(spacing)
         self._last_tick = time.monotonic()
         if self.listener is not None:
             await self.listener.ensure()  # before the read below: no change goes unheard
-        taking_over = not self._taken_over
-        shards: list[ShardLease] = []
-        # Closed by this tick (see below), and the shards taken since the last tick.
-        orphans = dict(self.runs.orphans)
-        new_shards: list[ShardLease] = []
-        fence: AbstractAsyncContextManager[Tx]
-        self_fenced = False
-        if self.sharded:
-            member = cast("MemberLease", tick.lease)
-            member.wake_loop = self.wake  # a shard taken is claimed for at once
-            shards = member.active_shards()
-            if not shards and not taking_over:
-                return None  # nothing to lead yet; a shard taken wakes us
-            new_shards = [s for s in shards if s.needs_abandon]
-            fence = member.fenced(shards, only_ours=True)
-        elif taking_over or not self.sticky or orphans or self._declare_due:
-            fence = tick.lease.transaction(only_ours=True)
-        else:
-            # The common tick is two statements: the read, then the claim, which fences
-            # itself (one round trip each, no transaction around them: the claim is a
-            # compare-and-set on what the read saw, as it is in a transaction).
-            fence = tick.lease.statements()
-            self_fenced = True
+        scope = self._scope(tick.lease)
+        if scope is None:
+            return None  # sharded, nothing to lead yet; a shard taken wakes us
         holds: list[tuple[Lease, PendingHold, list[Start]]] = []
         try:
-            async with fence as tx:
-                store = PluginStore(tx)
-                if taking_over:
-                    await self._take_over(store, tick.log)
-                # Whoever holds the lock knows that nothing executes the runs still marked
-                # `running` (runs execute under the lock): a sticky leader when it takes
-                # over, in transaction mode every tick that wins. (Had their replica lost
-                # its hold to the server and still be stopping them, the guard waited for
-                # it before this tick: see the guards' settle.)
-                if taking_over or not self.sticky or orphans or new_shards:
-                    await self._abandon(store, tick.log, orphans)
-                # Schedules in flight are read too (their slot is skipped as overlapping),
-                # and those whose result is not written yet (they wait for it).
-                limit = max(1, self._free() + len(self.runs.running) + len(self.runs.unrecorded))
-                batch = await store.due(limit)
-                clock = Clock(batch.now, time.monotonic())
-                # The orphans closed above free their schedules in this very transaction:
-                # planned as held (waiting for a result that never comes), they would
-                # wait for the longest sleep instead of running now.
-                plan_ = self._plan(batch, closing=set(orphans.values()))
-                # Said now, before the awaits below: a run that ends meanwhile must see
-                # that something waits for its place (or its result).
-                truncated = len(batch.due) >= limit
-                self.runs.want_place = plan_.waiting or truncated
-                self.runs.want_results = plan_.held or truncated
-                if plan_.unknown and not self.sharded:
-                    # The leader's declarations win. Sharded, members of two deployments
-                    # (a rolling deploy) would retire each other's new tasks: a member
-                    # declares when it joins, and leaves a task it does not know to the
-                    # members that do. Several statements: in a transaction, the next
-                    # tick's at once if this one has none.
-                    if self_fenced:
-                        self._declare_due = True
-                    else:
-                        await self._declare(store, tick.log)
-                if plan_.refused:
-                    await store.refuse(plan_.refused)
-                    for name, reason in plan_.refused.items():
-                        tick.log.error("task.refused", task=name, error=reason)
-                if plan_.claims:
-                    claimed = await store.claim(self.settings.instance_id, plan_.claims)
-                    starts = self._starts(plan_, claimed, tick.log)
-                self._report(batch, plan_, tick.log)
-                wake = 0.0 if self._declare_due else self._next_wake(batch, plan_, limit)
-                for lease, group in self._by_lease(tick.lease, shards, starts):
+            async with scope.fence as tx:
+                wake, clock, starts = await self._claim_due(PluginStore(tx), scope, tick.log)
+                for lease, group in self._by_lease(tick.lease, scope.shards, starts):
                     holds.append((lease, await lease.hold_after(tx), group))
         except BaseException:
             for _, hold, _ in holds:
                 await hold.discard()  # what it would have run was rolled back
             raise
-        self._taken_over = True  # committed: reconciled, and its predecessors' runs closed
-        if not self_fenced:
-            self._declare_due = False
-        for shard in new_shards:
-            shard.needs_abandon = False
-        for run_id, name in orphans.items():  # closed: their schedules may run again
-            del self.runs.orphans[run_id]
-            self.runs.unrecorded.discard(name)
+        self._committed(scope)
         for lease, hold, group in holds:
             try:
                 self.runs.start_batch(lease, hold, group, clock, tick.log)
@@ -223,6 +166,90 @@ class PluginWork:
                 # runs stay `running` for the shard's next owner to close, never run here.
                 tick.log.warning("shard.lost_before_start", runs=len(group))
         return wake
+
+    def _scope(self, lease: Lease) -> TickScope | None:
+        """How this tick fences its work, and what it closes (None: sharded, no shard)."""
+        taking_over, orphans = not self._taken_over, dict(self.runs.orphans)
+        if self.sharded:
+            member = cast("MemberLease", lease)
+            member.wake_loop = self.wake  # a shard taken is claimed for at once
+            shards = member.active_shards()
+            if not shards and not taking_over:
+                return None
+            fence = member.fenced(shards, only_ours=True)
+            new_shards = [s for s in shards if s.needs_abandon]
+            return TickScope(fence, taking_over, orphans, shards=shards, new_shards=new_shards)
+        if taking_over or not self.sticky or orphans or self._declare_due:
+            return TickScope(lease.transaction(only_ours=True), taking_over, orphans)
+        # The common tick is two statements: the read, then the claim, which fences itself
+        # (one round trip each, no transaction around them: the claim is a compare-and-set
+        # on what the read saw, as it is in a transaction).
+        return TickScope(lease.statements(), taking_over, orphans, self_fenced=True)
+
+    async def _claim_due(
+        self, store: PluginStore, scope: TickScope, log: Logger
+    ) -> tuple[float | None, Clock, list[Start]]:
+        """Close what needs closing, read what is due, claim what can run: when to wake
+        next, the database's clock, and the runs to start once this commits."""
+        if scope.taking_over:
+            await self._take_over(store, log)
+        # Whoever holds the lock knows that nothing executes the runs still marked
+        # `running` (runs execute under the lock): a sticky leader when it takes over, in
+        # transaction mode every tick that wins. (Had their replica lost its hold to the
+        # server and still be stopping them, the guard waited for it before this tick:
+        # see the guards' settle.)
+        if scope.taking_over or not self.sticky or scope.orphans or scope.new_shards:
+            await self._abandon(store, log, scope.orphans)
+        # Schedules in flight are read too (their slot is skipped as overlapping), and
+        # those whose result is not written yet (they wait for it).
+        limit = max(1, self._free() + len(self.runs.running) + len(self.runs.unrecorded))
+        batch = await store.due(limit)
+        clock = Clock(batch.now, time.monotonic())
+        # The orphans closed above free their schedules in this very transaction: planned
+        # as held (waiting for a result that never comes), they would wait for the
+        # longest sleep instead of running now.
+        plan_ = self._plan(batch, closing=set(scope.orphans.values()))
+        # Said now, before the awaits below: a run that ends meanwhile must see that
+        # something waits for its place (or its result).
+        truncated = len(batch.due) >= limit
+        self.runs.want_place = plan_.waiting or truncated
+        self.runs.want_results = plan_.held or truncated
+        starts = await self._write_plan(store, plan_, scope, log)
+        self._report(batch, plan_, log)
+        wake = 0.0 if self._declare_due else self._next_wake(batch, plan_, limit)
+        return wake, clock, starts
+
+    async def _write_plan(
+        self, store: PluginStore, plan_: TickPlan, scope: TickScope, log: Logger
+    ) -> list[Start]:
+        if plan_.unknown and not self.sharded:
+            # The leader's declarations win. Sharded, members of two deployments (a rolling
+            # deploy) would retire each other's new tasks: a member declares when it
+            # joins, and leaves a task it does not know to the members that do. Several
+            # statements: in a transaction, the next tick's at once if this one has none.
+            if scope.self_fenced:
+                self._declare_due = True
+            else:
+                await self._declare(store, log)
+        if plan_.refused:
+            await store.refuse(plan_.refused)
+            for name, reason in plan_.refused.items():
+                log.error("task.refused", task=name, error=reason)
+        if not plan_.claims:
+            return []
+        claimed = await store.claim(self.settings.instance_id, plan_.claims)
+        return self._starts(plan_, claimed, log)
+
+    def _committed(self, scope: TickScope) -> None:
+        """The tick's writes are in: what it closed may run again."""
+        self._taken_over = True  # reconciled, and its predecessors' runs closed
+        if not scope.self_fenced:
+            self._declare_due = False
+        for shard in scope.new_shards:
+            shard.needs_abandon = False
+        for run_id, name in scope.orphans.items():  # closed: their schedules may run again
+            del self.runs.orphans[run_id]
+            self.runs.unrecorded.discard(name)
 
     @staticmethod
     def _by_lease(
@@ -268,7 +295,6 @@ class PluginWork:
         whose result is not written yet waits for it, unless its run is in ``closing`` (an
         orphan abandoned by this tick's transaction)."""
         result = TickPlan()
-        now = batch.now
         free = self._free()
         sync_free = self.settings.plugin.sync_concurrency - len(self.runs.sync_running)
         for due in batch.due:
@@ -288,52 +314,58 @@ class PluginWork:
             if not busy and (free <= 0 or (is_sync and sync_free <= 0)):
                 result.waiting = True  # stays due until a place frees
                 continue
-            slots: list[datetime] = []
-            next_run_at = due.next_run_at
-            if due.next_run_at <= now:
-                try:
-                    step = plan(spec.schedule, due.next_run_at, now, spec.misfire)
-                except Exception as exc:  # no next slot to be had (a date out of range)
-                    result.refused[due.name] = f"cannot compute its next slot: {describe(exc)}"
-                    continue
-                next_run_at = step.next_run_at
-                if step.missed:
-                    result.misfired.append((due.name, due.next_run_at, next_run_at))
-                if step.run:
-                    slots.append(due.next_run_at)
-            trigger = due.trigger_requested_at
-            if busy:
-                # Its slot overlaps the run in flight: skipped. A trigger waits for the
-                # run to end (its end wakes the loop).
-                claim = Claim(
-                    due.name, due.next_run_at, next_run_at, skip_slot=slots[0] if slots else None
-                )
-                if next_run_at != due.next_run_at or claim.skip_slot is not None:
-                    result.claims.append(claim)
-                if trigger is not None:
-                    result.waiting = True
-                continue
-            if trigger is not None:
-                slots.append(trigger)  # a manual run is a slot like any other
-            run_slot = slots[0] if slots else None
-            # A trigger and a due slot found together: one runs, the other would overlap it.
-            skip_slot = slots[1] if len(slots) > 1 else None
-            result.claims.append(
-                Claim(
-                    due.name,
-                    seen_next=due.next_run_at,
-                    next_run_at=next_run_at,
-                    seen_trigger=trigger,
-                    run_slot=run_slot,
-                    skip_slot=skip_slot,
-                )
-            )
-            if run_slot is not None:
-                result.specs[due.name] = spec
-                result.shards[due.name] = due.shard
+            if self._plan_one(due, spec, batch.now, busy, result):
                 free -= 1
                 sync_free -= is_sync
         return result
+
+    def _plan_one(
+        self, due: DueSchedule, spec: TaskSpec, now: datetime, busy: bool, result: TickPlan
+    ) -> bool:
+        """Plan one due schedule that has a place, or whose run is in flight (``busy``):
+        its claim into ``result``; True if that claim starts a run (it takes the place)."""
+        slots: list[datetime] = []
+        next_run_at = due.next_run_at
+        if due.next_run_at <= now:
+            try:
+                step = plan(spec.schedule, due.next_run_at, now, spec.misfire)
+            except Exception as exc:  # no next slot to be had (a date out of range)
+                result.refused[due.name] = f"cannot compute its next slot: {describe(exc)}"
+                return False
+            next_run_at = step.next_run_at
+            if step.missed:
+                result.misfired.append((due.name, due.next_run_at, next_run_at))
+            if step.run:
+                slots.append(due.next_run_at)
+        trigger = due.trigger_requested_at
+        if busy:
+            # Its slot overlaps the run in flight: skipped. A trigger waits for the run to
+            # end (its end wakes the loop).
+            skip = slots[0] if slots else None
+            if next_run_at != due.next_run_at or skip is not None:
+                result.claims.append(Claim(due.name, due.next_run_at, next_run_at, skip_slot=skip))
+            result.waiting = result.waiting or trigger is not None
+            return False
+        if trigger is not None:
+            slots.append(trigger)  # a manual run is a slot like any other
+        run_slot = slots[0] if slots else None
+        # A trigger and a due slot found together: one runs, the other would overlap it.
+        skip_slot = slots[1] if len(slots) > 1 else None
+        result.claims.append(
+            Claim(
+                due.name,
+                seen_next=due.next_run_at,
+                next_run_at=next_run_at,
+                seen_trigger=trigger,
+                run_slot=run_slot,
+                skip_slot=skip_slot,
+            )
+        )
+        if run_slot is None:
+            return False
+        result.specs[due.name] = spec
+        result.shards[due.name] = due.shard
+        return True
 
     def _starts(self, plan_: TickPlan, claimed: list[Any], log: Logger) -> list[Start]:
         starts: list[Start] = []
