@@ -14,9 +14,10 @@ and the publication commit together or not at all::
         await schedule_in(conn, datetime(2027, 1, 1, 9, tzinfo=UTC), {"post": 42},
                           key="post-42")
 
-Both run the same validation (:func:`validate_schedule`) before anything reaches the
+Both run the same validation (:func:`validate_publication`) before anything reaches the
 database, so a refused request changes nothing (and leaves the application's transaction
-usable), and the same statements, from the named queries in ``db/postgres.sql``.
+usable), and the same statements (``db/publications.py``, the named queries in
+``db/postgres.sql``).
 (Applications may also INSERT into ``scheduler_publications`` with plain SQL.)
 
 Runtime schedules (plugin tasks held as data: docs/plugins.md, "Schedules as data") the
@@ -46,9 +47,11 @@ from .rules import (
     MAX_KEY_LENGTH,
     MAX_PAYLOAD_DEPTH,
     DurationLike,
+    PublicationRequest,
     RuntimeSchedule,
     encode_payload,
     ignored_changes,
+    validate_publication,
     validate_runtime_schedule,
     validate_schedule,
 )
@@ -59,6 +62,7 @@ __all__ = [
     "MAX_PAYLOAD_DEPTH",
     "Client",
     "DurationLike",
+    "PublicationRequest",
     "RuntimeSchedule",
     "add_schedule_in",
     "cancel_in",
@@ -66,6 +70,7 @@ __all__ = [
     "ignored_changes",
     "remove_schedule_in",
     "schedule_in",
+    "validate_publication",
     "validate_runtime_schedule",
     "validate_schedule",
 ]

@@ -4,29 +4,26 @@ the application's rows."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from ..db import AddedSchedule, Publication, ScheduleRecord, ScheduleResult
-from ..db.common import explain_cancel_refusal
+from ..db import AddedSchedule, Publication, ScheduleRecord, ScheduleResult, publications
+from ..db.base import Tx
 from ..db.schedules import ScheduleStore
-from ..db.sqlfiles import queries
-from ..errors import InvalidInput
 from .rules import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     DurationLike,
+    validate_publication,
     validate_runtime_schedule,
-    validate_schedule,
 )
 
 # -- on the application's own connection ----------------------------------------------
 
 
-def _check_connection(conn: Any, function: str) -> dict[str, str]:
-    """The PostgreSQL queries, once ``conn`` is known to be an asyncpg connection."""
+def _transaction_on(conn: Any, function: str) -> Tx:
+    """The statements of ``conn``'s open transaction, once ``conn`` is known to be an
+    asyncpg connection with one open."""
     # Imported here: the CLI imports this module, and only `run` needs asyncpg at once.
     import asyncpg
     import asyncpg.pool
@@ -46,20 +43,9 @@ def _check_connection(conn: Any, function: str) -> dict[str, str]:
             "conn.transaction(); SQLAlchemy: run a statement or flush() first); to schedule "
             "on its own, use Client"
         )
-    return queries("postgres")
+    from ..db.postgres import PgTx
 
-
-def _publication(row: Mapping[str, Any], payload_json: str | None = None) -> Publication:
-    """A row read on the application's connection, whose codecs are its own: jsonb comes
-    back as text unless it registered a decoder (asyncpg's and SQLAlchemy's default)."""
-    data = dict(row)
-    if payload_json is not None:
-        data["payload"] = json.loads(payload_json)  # what we just inserted
-    elif isinstance(data["payload"], str):
-        # A ValueError: already decoded by the application's codec, a JSON string.
-        with contextlib.suppress(ValueError):
-            data["payload"] = json.loads(data["payload"])
-    return Publication(**data)
+    return PgTx(conn)
 
 
 async def schedule_in(
@@ -82,30 +68,20 @@ async def schedule_in(
     (``created=False``). The insert fires the same trigger as any other, whose NOTIFY
     PostgreSQL delivers at commit: a session-mode leader wakes for it then.
     """
-    encoded = validate_schedule(publish_at, payload, key, max_payload_bytes=max_payload_bytes)
-    q = _check_connection(conn, "schedule_in")
-    for _ in range(2):
-        row = await conn.fetchrow(q["schedule"], key, encoded, publish_at)
-        if row is not None:
-            return ScheduleResult(_publication(row, payload_json=encoded), created=True)
-        # The key exists (READ COMMITTED: this statement sees the row the insert met).
-        existing = await conn.fetchrow(q["get_by_key"], key)
-        if existing is not None:
-            return ScheduleResult(_publication(existing), created=False)
-        # Purged between the two statements (a finished row past retention): once more.
-    raise InvalidInput(f"key {key!r} conflicts with a publication that cannot be read")
+    request = validate_publication(publish_at, payload, key, max_payload_bytes=max_payload_bytes)
+    tx = _transaction_on(conn, "schedule_in")
+    # decoded=False: the application's codecs, not the store's (db/publications.py).
+    return await publications.schedule(
+        tx, request.publish_at, request.payload_json, request.key, decoded=False
+    )
 
 
 async def cancel_in(conn: Any, publication_id: int) -> Publication:
     """:meth:`Client.cancel` on the application's asyncpg connection, in its open
     transaction (RuntimeError without one). Refuses (:class:`InvalidInput`, :class:`~scheduler_daemon.errors.NotFound`) an
     unknown id or a publication that is no longer ``scheduled``."""
-    q = _check_connection(conn, "cancel_in")
-    row = await conn.fetchrow(q["cancel"], publication_id)
-    if row is not None:
-        return _publication(row)
-    current = await conn.fetchrow(q["get"], publication_id)
-    raise explain_cancel_refusal(publication_id, None if current is None else _publication(current))
+    tx = _transaction_on(conn, "cancel_in")
+    return await publications.cancel(tx, publication_id, decoded=False)
 
 
 async def add_schedule_in(
@@ -139,7 +115,8 @@ async def add_schedule_in(
         timeout=timeout, misfire=misfire, jitter=jitter, start=start,
         max_args_bytes=max_args_bytes,
     )  # fmt: skip
-    return await _schedules_on(conn, "add_schedule_in").add(request.definition(), replace=replace)
+    tx = _transaction_on(conn, "add_schedule_in")
+    return await ScheduleStore(tx).add(request.definition(), replace=replace)
 
 
 async def remove_schedule_in(conn: Any, name: str) -> ScheduleRecord:
@@ -147,12 +124,4 @@ async def remove_schedule_in(conn: Any, name: str) -> ScheduleRecord:
     transaction (RuntimeError without one): removed if and only if that transaction
     commits. :class:`~scheduler_daemon.errors.NotFound` for an unknown name or a declared
     task, raised before anything is written."""
-    return await _schedules_on(conn, "remove_schedule_in").remove(name)
-
-
-def _schedules_on(conn: Any, function: str) -> ScheduleStore:
-    _check_connection(conn, function)
-    # Imported here, as asyncpg in _check_connection.
-    from ..db.postgres import PgTx
-
-    return ScheduleStore(PgTx(conn))
+    return await ScheduleStore(_transaction_on(conn, "remove_schedule_in")).remove(name)

@@ -20,7 +20,7 @@ from ..db import (
 from ..db.connect import connect
 from ..db.schedules import ScheduleStore
 from ..logs import Logger, get_logger
-from .rules import DurationLike, validate_runtime_schedule, validate_schedule
+from .rules import DurationLike, validate_publication, validate_runtime_schedule
 
 
 class Client:
@@ -45,8 +45,8 @@ class Client:
     ) -> ScheduleResult:
         """Schedule a publication; with ``key``, scheduling twice returns the first one
         unchanged (see :func:`ignored_changes`)."""
-        encoded = validate_schedule(at, payload, key, max_payload_bytes=self.max_payload_bytes)
-        return await self.store.schedule(at, encoded, key)
+        request = validate_publication(at, payload, key, max_payload_bytes=self.max_payload_bytes)
+        return await self.store.schedule(request.publish_at, request.payload_json, request.key)
 
     async def cancel(self, publication_id: int) -> Publication:
         return await self.store.cancel(publication_id)

@@ -1,7 +1,8 @@
 """The rules every way in shares: a publication's payload, time and key
-(:func:`validate_schedule`, :func:`encode_payload`, :func:`ignored_changes`) and a runtime
-schedule (:func:`validate_runtime_schedule`, :class:`RuntimeSchedule`), checked before
-anything reaches the database; the limits they hold to (the ``MAX_*`` constants)."""
+(:func:`validate_publication`, :class:`PublicationRequest`, :func:`validate_schedule`,
+:func:`encode_payload`, :func:`ignored_changes`) and a runtime schedule
+(:func:`validate_runtime_schedule`, :class:`RuntimeSchedule`), checked before anything
+reaches the database; the limits they hold to (the ``MAX_*`` constants)."""
 
 from __future__ import annotations
 
@@ -87,15 +88,26 @@ def encode_payload(payload: Any, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BY
     return text
 
 
-def validate_schedule(
+@dataclass(frozen=True, slots=True)
+class PublicationRequest:
+    """A publication that passed :func:`validate_publication`: what :meth:`Client.schedule`
+    and :func:`schedule_in` write (db/publications.py)."""
+
+    publish_at: datetime
+    payload: Any  # as asked, None read as {}
+    payload_json: str  # the payload as compact JSON text, for scheduler_publications.payload
+    key: str | None
+
+
+def validate_publication(
     publish_at: datetime,
     payload: Any = None,
     key: str | None = None,
     *,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-) -> str:
-    """Every rule a scheduling request must pass; returns the payload as JSON text, ready
-    for ``scheduler_publications.payload``. Raises :class:`InvalidInput`.
+) -> PublicationRequest:
+    """Every rule a scheduling request must pass; returns the request, its payload as JSON
+    text ready for ``scheduler_publications.payload``. Raises :class:`InvalidInput`.
 
     The rules: ``publish_at`` is timezone-aware and in the years 1 to 9999 in UTC;
     ``key`` is None, or not blank, at most :data:`MAX_KEY_LENGTH` characters, and text
@@ -120,7 +132,21 @@ def validate_schedule(
         problem = _unstorable(key)
         if problem is not None:
             raise InvalidInput(f"key holds {problem}")
-    return encode_payload({} if payload is None else payload, max_payload_bytes)
+    payload = {} if payload is None else payload
+    return PublicationRequest(publish_at, payload, encode_payload(payload, max_payload_bytes), key)
+
+
+def validate_schedule(
+    publish_at: datetime,
+    payload: Any = None,
+    key: str | None = None,
+    *,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+) -> str:
+    """:func:`validate_publication`'s rules, returning the payload as JSON text only: for
+    an application that runs the ``schedule`` statement itself (docs/publishing.md)."""
+    request = validate_publication(publish_at, payload, key, max_payload_bytes=max_payload_bytes)
+    return request.payload_json
 
 
 def ignored_changes(result: ScheduleResult, publish_at: datetime, payload: Any = None) -> list[str]:

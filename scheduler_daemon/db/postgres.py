@@ -22,6 +22,7 @@ import asyncpg
 
 from ..config.settings import Settings
 from ..errors import explain_timeouts
+from . import publications
 from .base import (
     COUNT_LIMIT,
     SCHEDULER_TABLES,
@@ -36,7 +37,6 @@ from .base import (
     TableHealth,
     TableStats,
 )
-from .common import explain_cancel_refusal
 from .postgres_migrate import apply_migrations
 from .sqlfiles import formatted, positional, queries
 from .url import DatabaseUrl
@@ -331,22 +331,14 @@ class PostgresStore:
     async def schedule(
         self, publish_at: datetime, payload_json: str, key: str | None
     ) -> ScheduleResult:
+        # Each statement on its own (no transaction): the read after a conflict sees the
+        # row the insert met.
         async with self.pool.acquire() as conn:
-            row = await conn.fetchrow(QUERIES["schedule"], key, payload_json, publish_at)
-            if row is not None:
-                return ScheduleResult(_publication(row), created=True)
-            # The key exists. The insert and this read are separate snapshots, but a row
-            # with a key is never deleted while scheduled, so it is still there.
-            existing = await conn.fetchrow(QUERIES["get_by_key"], key)
-        if existing is None:  # purged between the two statements: try once more
-            return await self.schedule(publish_at, payload_json, key)
-        return ScheduleResult(_publication(existing), created=False)
+            return await publications.schedule(PgTx(conn), publish_at, payload_json, key)
 
     async def cancel(self, publication_id: int) -> Publication:
-        row = await self.pool.fetchrow(QUERIES["cancel"], publication_id)
-        if row is not None:
-            return _publication(row)
-        raise explain_cancel_refusal(publication_id, await self.get(publication_id))
+        async with self.pool.acquire() as conn:
+            return await publications.cancel(PgTx(conn), publication_id)
 
     async def get(self, publication_id: int) -> Publication | None:
         row = await self.pool.fetchrow(QUERIES["get"], publication_id)

@@ -28,6 +28,7 @@ import aiosqlite
 
 from ..config.settings import Settings
 from ..errors import ConfigError, SchemaMissing
+from . import publications
 from .base import (
     COUNT_LIMIT,
     AppliedMigration,
@@ -41,7 +42,7 @@ from .base import (
     ShardScope,
     TableHealth,
 )
-from .common import explain_cancel_refusal, to_db_time
+from .common import to_db_time
 from .sqlfiles import formatted, migrations, queries
 from .sqlite_file import check_database_file, real_path
 from .url import DatabaseUrl
@@ -412,26 +413,12 @@ class SqliteStore:
     async def schedule(
         self, publish_at: datetime, payload_json: str, key: str | None
     ) -> ScheduleResult:
-        async with self.write_transaction() as conn:
-            params = (key, payload_json, to_db_time(publish_at))
-            async with conn.execute(QUERIES["schedule"], params) as cursor:
-                row = await cursor.fetchone()
-            if row is not None:
-                return ScheduleResult(_publication(row), created=True)
-            async with conn.execute(QUERIES["get_by_key"], (key,)) as cursor:
-                existing = await cursor.fetchone()
-        assert existing is not None  # same transaction as the conflicting insert
-        return ScheduleResult(_publication(existing), created=False)
+        async with self.transaction() as tx:
+            return await publications.schedule(tx, publish_at, payload_json, key)
 
     async def cancel(self, publication_id: int) -> Publication:
-        async with (
-            self.write_transaction() as conn,
-            conn.execute(QUERIES["cancel"], (publication_id,)) as cur,
-        ):
-            row = await cur.fetchone()
-        if row is not None:
-            return _publication(row)
-        raise explain_cancel_refusal(publication_id, await self.get(publication_id))
+        async with self.transaction() as tx:
+            return await publications.cancel(tx, publication_id)
 
     async def get(self, publication_id: int) -> Publication | None:
         row = await self._fetchone(QUERIES["get"], (publication_id,))
