@@ -1,7 +1,7 @@
 """Secrets out of text: what every printed URL, error message and log line goes through.
 
 The one place redaction lives. It imports nothing from the package, so every layer uses
-it: ``db.url`` (a ``DatabaseUrl`` prints itself redacted), ``config`` and
+it: ``config.url`` (a ``DatabaseUrl`` prints itself redacted), ``config`` and
 ``check-config``, ``errors.describe``, ``logs`` (every value of every line, the stdlib
 loggers' included), ``status`` and ``http``.
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import asyncio
 
+from .config.url import Backend
 from .db.sqlfiles import migrations
-from .db.url import Backend
 from .logs import Logger
 
 

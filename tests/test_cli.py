@@ -22,13 +22,13 @@ from rig.processes import DaemonProcess, Daemons, run_cli, sitecustomize
 from rig.sql import execute
 
 from scheduler_daemon.config.settings import Settings
+from scheduler_daemon.config.url import DatabaseUrl
 from scheduler_daemon.db.connect import (
     explain_database_error,
     is_login_refused,
     is_transient,
     within_startup_budget,
 )
-from scheduler_daemon.db.url import DatabaseUrl
 from scheduler_daemon.errors import EXIT_CONFIG, LoginRefused, PrivilegeRefused
 from scheduler_daemon.logs import get_logger
 

@@ -25,8 +25,8 @@ from scheduler_daemon.config.explain import (
 )
 from scheduler_daemon.config.settings import LogSettings, Settings
 from scheduler_daemon.config.timing import TIMING_MARGIN, earliest_lock_release
+from scheduler_daemon.config.url import DatabaseUrl, postgres_ports
 from scheduler_daemon.config.values import lock_key_from_name, parse_duration, parse_lock_key
-from scheduler_daemon.db.url import DatabaseUrl, postgres_ports
 from scheduler_daemon.errors import ConfigError
 from scheduler_daemon.leadership.postgres_session import session_keepalive_settings
 from scheduler_daemon.logs import configure_logging, get_logger

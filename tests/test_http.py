@@ -29,10 +29,10 @@ from rig.processes import DaemonProcess, Daemons, run_cli
 from structlog.testing import capture_logs
 
 from scheduler_daemon.config.settings import Settings
+from scheduler_daemon.config.url import Backend
 from scheduler_daemon.daemon import Daemon
 from scheduler_daemon.db.connect import open_store
 from scheduler_daemon.db.sqlfiles import migrations
-from scheduler_daemon.db.url import Backend
 from scheduler_daemon.errors import ConfigError
 from scheduler_daemon.http import HttpServer
 from scheduler_daemon.logs import get_logger

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "scheduler_daemon"
 # longest prefix names it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("scheduler_daemon", "redact", "errors", "aio", "output")),
-    ("config", ("config", "db.url", "logs", "metrics", "sdnotify")),
+    ("config", ("config", "logs", "metrics", "sdnotify")),
     ("db", ("db", "schema_gate")),
     ("leadership", ("leadership",)),
     ("work", ("plugins", "publishers", "loops", "status", "client")),
@@ -107,7 +107,7 @@ def test_no_import_cycles(graph: dict[str, set[str]]) -> None:
 def test_the_checker_sees_an_upward_import_and_a_cycle() -> None:
     """The two checks can fail: on a made-up graph, they find what is wrong."""
     assert layer_of("scheduler_daemon.db.postgres") < layer_of("scheduler_daemon.loops.plugin")
-    assert layer_of("scheduler_daemon.db.url") < layer_of("scheduler_daemon.db.base")
+    assert layer_of("scheduler_daemon.config.url") < layer_of("scheduler_daemon.db.base")
     made_up = {"scheduler_daemon.db.base": {"scheduler_daemon.loops.plugin"}}
     with pytest.raises(AssertionError):
         test_no_module_imports_one_in_a_layer_above(

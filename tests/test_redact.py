@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from rig.processes import run_cli
 
 from scheduler_daemon.config import load_settings
-from scheduler_daemon.db.url import DatabaseUrl
+from scheduler_daemon.config.url import DatabaseUrl
 from scheduler_daemon.errors import ConfigError, describe, explain_timeouts
 from scheduler_daemon.redact import REDACTED, redact, redact_webhook_url
 

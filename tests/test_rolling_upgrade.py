@@ -57,8 +57,8 @@ from rig.waiting import wait_until
 from test_http import http_get
 
 import scheduler_daemon
+from scheduler_daemon.config.url import Backend
 from scheduler_daemon.db.sqlfiles import migrations, queries
-from scheduler_daemon.db.url import Backend
 from scheduler_daemon.loops import plugin, publish
 
 pytestmark = pytest.mark.processes

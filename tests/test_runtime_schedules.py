@@ -35,9 +35,9 @@ from scheduler_daemon.client import (
     validate_runtime_schedule,
 )
 from scheduler_daemon.config.settings import MAX_TASK_NAME_LENGTH, PluginTaskSettings, Settings
+from scheduler_daemon.config.url import DatabaseUrl
 from scheduler_daemon.daemon import Daemon
 from scheduler_daemon.db.schedules import ScheduleStore
-from scheduler_daemon.db.url import DatabaseUrl
 from scheduler_daemon.errors import InvalidInput, NotFound
 from scheduler_daemon.logs import get_logger
 

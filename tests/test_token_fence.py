@@ -18,9 +18,9 @@ import pytest
 from rig.waiting import until
 
 from scheduler_daemon.config.settings import Settings
+from scheduler_daemon.config.url import Backend
 from scheduler_daemon.db.plugin_store import Declaration, PluginStore
 from scheduler_daemon.db.sqlfiles import queries
-from scheduler_daemon.db.url import Backend
 from scheduler_daemon.leadership.base import LeadershipLost
 from scheduler_daemon.leadership.token_fence import SqlEndedFence, TokenFence, fencing_row
 from scheduler_daemon.logs import get_logger

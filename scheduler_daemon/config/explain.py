@@ -18,9 +18,9 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, SecretStr
 
-from ..db.url import DatabaseUrl
 from ..errors import ConfigError
 from .settings import Settings
+from .url import DatabaseUrl
 
 CONFIG_FILE_ENV = "SCHEDULER_CONFIG"
 

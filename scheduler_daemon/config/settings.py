@@ -17,9 +17,9 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from ..db.url import DatabaseUrl
 from ..redact import redact_webhook_url
 from .timing import LockSettings
+from .url import DatabaseUrl
 from .values import Duration, NonNegativeDuration, Section, refuse_nul
 
 # PostgreSQL's integers (statement_timeout in milliseconds, counters compared in SQL).

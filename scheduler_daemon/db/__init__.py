@@ -3,6 +3,7 @@
 Open one with :func:`scheduler_daemon.db.connect.connect`.
 """
 
+from ..config.url import DatabaseUrl
 from .base import (
     AddedSchedule,
     Publication,
@@ -13,7 +14,6 @@ from .base import (
     ScheduleResult,
     Store,
 )
-from .url import DatabaseUrl
 
 __all__ = [
     "AddedSchedule",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, Protocol
 
-from .url import Backend, DatabaseUrl
+from ..config.url import Backend, DatabaseUrl
 
 PublicationStatus = Literal["scheduled", "published", "cancelled", "failed"]
 

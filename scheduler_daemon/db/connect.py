@@ -11,6 +11,7 @@ from typing import Literal, TypeVar
 from urllib.parse import urlsplit
 
 from ..config.settings import Settings
+from ..config.url import DatabaseUrl
 from ..errors import (
     DatabaseBusy,
     DatabaseFailed,
@@ -25,7 +26,6 @@ from ..errors import (
 from ..logs import Logger
 from ..redact import redact
 from .base import Store
-from .url import DatabaseUrl
 
 T = TypeVar("T")
 

@@ -21,6 +21,7 @@ from typing import Any, Final
 import asyncpg
 
 from ..config.settings import Settings
+from ..config.url import DatabaseUrl
 from ..errors import explain_timeouts
 from . import publications
 from .base import (
@@ -39,7 +40,6 @@ from .base import (
 )
 from .postgres_migrate import apply_migrations
 from .sqlfiles import formatted, positional, queries
-from .url import DatabaseUrl
 
 QUERIES = queries("postgres")
 

@@ -17,12 +17,12 @@ from itertools import takewhile
 
 import asyncpg
 
+from ..config.url import DatabaseUrl
 from ..errors import PrivilegeRefused
 from ..redact import redact
 from .base import AppliedMigration
 from .privileges import refuse_missing_grants, refuse_unusable_schema
 from .sqlfiles import Migration, formatted, migrations, queries
-from .url import DatabaseUrl
 
 QUERIES = queries("postgres")
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import cache
 from importlib.resources import files
 
-from .url import Backend
+from ..config.url import Backend
 
 _NAME_LINE = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.M)
 # A named parameter, ``:name``; not a cast (``::jsonb``) nor a time inside a literal.

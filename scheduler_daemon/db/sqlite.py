@@ -27,6 +27,7 @@ from urllib.parse import quote
 import aiosqlite
 
 from ..config.settings import Settings
+from ..config.url import DatabaseUrl
 from ..errors import ConfigError, SchemaMissing
 from . import publications
 from .base import (
@@ -45,7 +46,6 @@ from .base import (
 from .common import to_db_time
 from .sqlfiles import formatted, migrations, queries
 from .sqlite_file import check_database_file, real_path
-from .url import DatabaseUrl
 
 QUERIES = queries("sqlite")
 _UNIX_EPOCH_JD = 2440587.5

@@ -19,8 +19,8 @@ import aiosqlite
 import asyncpg
 
 from rig.databases import RIG_APP, run_sync
+from scheduler_daemon.config.url import DatabaseUrl
 from scheduler_daemon.db.sqlite import from_db_row, to_db_value
-from scheduler_daemon.db.url import DatabaseUrl
 
 _PLACEHOLDER = re.compile(r"\$(\d+)")
 
