@@ -169,7 +169,7 @@ class PluginWork:
 
     def _scope(self, lease: Lease) -> TickScope | None:
         """How this tick fences its work, and what it closes (None: sharded, no shard)."""
-        taking_over, orphans = not self._taken_over, dict(self.runs.orphans)
+        taking_over, orphans = not self._taken_over, self.runs.orphaned()
         if self.sharded:
             member = cast("MemberLease", lease)
             member.wake_loop = self.wake  # a shard taken is claimed for at once
@@ -202,7 +202,7 @@ class PluginWork:
             await self._abandon(store, log, scope.orphans)
         # Schedules in flight are read too (their slot is skipped as overlapping), and
         # those whose result is not written yet (they wait for it).
-        limit = max(1, self._free() + len(self.runs.running) + len(self.runs.unrecorded))
+        limit = max(1, self._free() + self.runs.in_flight())
         batch = await store.due(limit)
         clock = Clock(batch.now, time.monotonic())
         # The orphans closed above free their schedules in this very transaction: planned
@@ -212,8 +212,7 @@ class PluginWork:
         # Said now, before the awaits below: a run that ends meanwhile must see that
         # something waits for its place (or its result).
         truncated = len(batch.due) >= limit
-        self.runs.want_place = plan_.waiting or truncated
-        self.runs.want_results = plan_.held or truncated
+        self.runs.want(place=plan_.waiting or truncated, results=plan_.held or truncated)
         starts = await self._write_plan(store, plan_, scope, log)
         self._report(batch, plan_, log)
         wake = 0.0 if self._declare_due else self._next_wake(batch, plan_, limit)
@@ -247,9 +246,7 @@ class PluginWork:
             self._declare_due = False
         for shard in scope.new_shards:
             shard.needs_abandon = False
-        for run_id, name in scope.orphans.items():  # closed: their schedules may run again
-            del self.runs.orphans[run_id]
-            self.runs.unrecorded.discard(name)
+        self.runs.closed(scope.orphans)
 
     @staticmethod
     def _by_lease(
@@ -269,7 +266,7 @@ class PluginWork:
         return [(by_shard[shard], group) for shard, group in groups.items()]
 
     def _free(self) -> int:
-        return self.settings.plugin.concurrency - len(self.runs.running)
+        return self.runs.free()[0]
 
     def _spec(self, due: DueSchedule) -> TaskSpec | str | None:
         """The task a due row stands for; a reason (str) when it cannot be run here; None
@@ -295,8 +292,7 @@ class PluginWork:
         whose result is not written yet waits for it, unless its run is in ``closing`` (an
         orphan abandoned by this tick's transaction)."""
         result = TickPlan()
-        free = self._free()
-        sync_free = self.settings.plugin.sync_concurrency - len(self.runs.sync_running)
+        free, sync_free = self.runs.free()
         for due in batch.due:
             spec = self._spec(due)
             if spec is None:
@@ -305,11 +301,10 @@ class PluginWork:
             if isinstance(spec, str):
                 result.refused[due.name] = spec
                 continue
-            unrecorded = due.name in self.runs.unrecorded and due.name not in closing
-            if unrecorded and due.name not in self.runs.running:
+            if self.runs.waits_for_result(due.name, closing):
                 result.held = True  # claimed once its last result is written
                 continue
-            busy = due.name in self.runs.running
+            busy = self.runs.busy(due.name)
             is_sync = spec.target is not None and not spec.is_async
             if not busy and (free <= 0 or (is_sync and sync_free <= 0)):
                 result.waiting = True  # stays due until a place frees
@@ -451,8 +446,8 @@ class PluginWork:
         self.metrics.plugin_lag.set(0)  # a standby reports no lag: only the leader knows
         if self.listener is not None:
             self.listener.unsubscribe(WAKE_CHANNEL)
-        if graceful and self.runs.batches:
-            await asyncio.wait(list(self.runs.batches))
+        if graceful:
+            await self.runs.batches_ended()
 
     # -- a leadership's first tick ----------------------------------------------------------
 
@@ -489,13 +484,7 @@ class PluginWork:
     async def _abandon(self, store: PluginStore, log: Logger, orphans: dict[int, str]) -> None:
         # Our own runs in flight are left alone: they will write their results. Not the
         # orphans among them, which never will.
-        ours = sorted(
-            run_id
-            for run_ids in self.runs.batches.values()
-            for run_id in run_ids
-            if run_id not in orphans
-        )
-        for run in await store.abandon(ABANDONED, ours):
+        for run in await store.abandon(ABANDONED, self.runs.ours(orphans)):
             self.metrics.plugin_runs.labels(self._label(run.name, None), "abandoned").inc()
             log.warning(
                 "task.abandoned", task=run.name, slot=run.slot.isoformat(),

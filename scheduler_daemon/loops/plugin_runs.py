@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, cast
@@ -126,6 +126,55 @@ class PluginRuns:
         self.want_results = False
         # Sharded: the shards' batches write their results together (loops/results.py).
         self._results = SharedResults[Ended](self._finish, lambda e: e.result.name)
+
+    # -- what the tick reads and says (it changes nothing of this state but through these)
+
+    def orphaned(self) -> dict[int, str]:
+        """The orphans now (run id -> schedule), for a tick to close as abandoned."""
+        return dict(self.orphans)
+
+    def closed(self, orphans: Mapping[int, str]) -> None:
+        """A tick's transaction closed these orphans: their schedules may run again."""
+        for run_id, name in orphans.items():
+            self.orphans.pop(run_id, None)
+            self.unrecorded.discard(name)
+
+    def in_flight(self) -> int:
+        """Schedules running, or waiting for their last result to be written."""
+        return len(self.running) + len(self.unrecorded)
+
+    def free(self) -> tuple[int, int]:
+        """Places left: of ``plugin.concurrency``, and of ``plugin.sync_concurrency``."""
+        plugin = self.settings.plugin
+        return plugin.concurrency - len(self.running), plugin.sync_concurrency - len(
+            self.sync_running
+        )
+
+    def busy(self, name: str) -> bool:
+        return name in self.running
+
+    def waits_for_result(self, name: str, closing: Collection[str]) -> bool:
+        """Its last run ended and its result is not written yet (not one of the orphans a
+        tick is closing right now): claimed once it is."""
+        return name in self.unrecorded and name not in closing and name not in self.running
+
+    def want(self, place: bool, results: bool) -> None:
+        """What the tick left waiting: a place (a run's end wakes it), results (a write
+        wakes it). Said before the tick's awaits, so that an end meanwhile sees it."""
+        self.want_place, self.want_results = place, results
+
+    def ours(self, orphans: Collection[int]) -> list[int]:
+        """The runs of this replica in flight that will write their results (not the
+        ``orphans`` among them, which never will): what an abandon must leave alone."""
+        return sorted(
+            run_id for run_ids in self.batches.values() for run_id in run_ids
+            if run_id not in orphans
+        )  # fmt: skip
+
+    async def batches_ended(self) -> None:
+        """Wait until every batch has ended (results written, or given up)."""
+        if self.batches:
+            await asyncio.wait(list(self.batches))
 
     def start_batch(
         self, lease: Lease, hold: PendingHold, starts: list[Start], clock: Clock, log: Logger
