@@ -12,11 +12,12 @@ import asyncpg
 import pytest
 from rig.pgcluster import PgCluster
 
-from scheduler_daemon.db.sqlfiles import migrations, queries
+from scheduler_daemon.db.sqlfiles import migrations, positional
 
 pytestmark = pytest.mark.postgres
 
-DRAW = queries("postgres")["fencing_next"]
+DRAW, DRAW_PARAMETERS = positional("postgres", "fencing_next")  # as asyncpg takes it
+assert DRAW_PARAMETERS == ("loop", "instance")
 EPOCH = 1 << 40  # token = epoch * EPOCH + counter
 # What fencing_next was before migration 0007: the sequence's value alone.
 DRAW_BEFORE_0007 = """

@@ -72,7 +72,12 @@ async def test_a_proof_never_queues_behind_work_promised_the_connection() -> Non
     await statement_lock.acquire()  # and the work holding it is mid-statement
     conn = Conn()
     async with asyncio.timeout(1):  # awaited in this task: nothing else runs first
-        answer = await ask_between_statements(conn, transaction_lock, statement_lock, "lock_held")  # type: ignore[arg-type]
+        answer = await ask_between_statements(
+            conn,  # type: ignore[arg-type]
+            transaction_lock,
+            statement_lock,
+            lambda conn: conn.fetchval("lock_held"),
+        )
     assert answer is None  # ask elsewhere (the pool)
     assert conn.asked == 0
     await waiter

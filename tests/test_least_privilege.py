@@ -219,9 +219,9 @@ def privileges_used(sql: str) -> set[tuple[str, str, str]]:
         used |= {("table", name, "UPDATE") for name in re.findall(rf"INSERT INTO {table}", sql)}
     if "FOR UPDATE OF o" in sql:  # the outbox's rows, locked while they are delivered
         used.add(("table", "scheduler_webhook_outbox", "UPDATE"))
-    if "CALL scheduler_wait_for_lock($1, $2)" in sql:  # a standby's wait
+    if "CALL scheduler_wait_for_lock(:key, :slice_ms)" in sql:  # a standby's wait
         used.add(("procedure", "scheduler_wait_for_lock(bigint, integer)", "EXECUTE"))
-    if "CALL scheduler_wait_for_lock($1, $2, $3)" in sql:  # a sharded member's watch
+    if "CALL scheduler_wait_for_lock(:member_class, :objid, :slice_ms)" in sql:  # a watch
         used.add(("procedure", "scheduler_wait_for_lock(integer, integer, integer)", "EXECUTE"))
     if "FROM scheduler_runs_maintain(" in sql:  # the history's upkeep: a function, not a table
         used.discard(("table", "scheduler_runs_maintain", "SELECT"))

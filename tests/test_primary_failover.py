@@ -47,7 +47,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from itertools import pairwise
 from pathlib import Path
@@ -65,6 +65,7 @@ from rig.ticks import FAST_TIMINGS, RIG_APP, event_time
 from rig.waiting import wait_until
 
 from scheduler_daemon.config.settings import Settings
+from scheduler_daemon.db.lock_store import Predecessor
 from scheduler_daemon.leadership.base import settle_time
 from scheduler_daemon.leadership.postgres_session import wait_for_predecessor
 
@@ -898,7 +899,7 @@ async def test_a_predecessor_waiting_for_the_lock_again_is_no_eviction(pg_url: s
     lock = {k.removeprefix("SCHEDULER_LOCK__").lower(): v for k, v in FAST_TIMINGS.items()
             if k.startswith("SCHEDULER_LOCK__")}  # fmt: skip
     settings = Settings(database_url=pg_url, instance_id="new", lock=lock)
-    predecessor = {"instance": "old", "hostname": "elsewhere", "pid": 1}
+    predecessor = Predecessor(schema_version=None, instance="old", hostname="elsewhere", pid=1)
     names = ["scheduler-test-rig", "scheduler-daemon/old/pool", "scheduler-daemon/old/lock:plugin"]
     ours, pool, its_lock = [
         await asyncpg.connect(pg_url, server_settings={"application_name": name}) for name in names
@@ -926,7 +927,7 @@ async def test_a_predecessor_waiting_for_the_lock_again_is_no_eviction(pg_url: s
             queued = asyncio.ensure_future(sibling.execute("SELECT pg_advisory_lock($1)", key))
             await _until_waiting(ours, key, count=2)
             cut = await wait_for_predecessor(
-                ours, {**predecessor, "instance": long_id}, key, settings
+                ours, replace(predecessor, instance=long_id), key, settings
             )
             assert cut["predecessor_alive"]
             assert not cut["predecessor_standing_by"]

@@ -45,7 +45,7 @@ def test_both_backends_define_the_same_queries() -> None:
     # Only PostgreSQL has a lock manager to ask (pg_locks) and LISTEN/NOTIFY; a SQLite
     # leader has no session to ask, so it writes its heartbeat instead.
     postgres_only = {
-        "leader_touch", "lock_entry", "lock_held", "leader_predecessor", "instance_sessions", "lock_sessions", "notify_published",
+        "leader_touch", "lock_entry", "lock_held", "instance_sessions", "lock_sessions", "notify_published",
         "leaders_forget",
         # The session guard's lock and settings; the transaction guard's (SQLite: flock,
         # and BEGIN IMMEDIATE, its one transaction control statement).

@@ -1,6 +1,7 @@
 """The loops' store contract, on both backends: the plugin loop's (db/plugin_store.py), the
 publish loop's and the webhook outbox's (db/publish_store.py), the schedule actions
-(db/schedules.py).
+(db/schedules.py); and the leaders' lock store (db/lock_store.py): the leaders row and the
+fencing tokens on both, the lock manager's answers on PostgreSQL.
 
 Each typed method against a real database: what the loops rely on, including the rules
 the database enforces whatever the leaders think (one run per (name, slot), at most one
@@ -9,20 +10,27 @@ running run per schedule: graphile-worker #621 was a batch claim that broke the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
+import asyncpg
 import pytest
+from rig.waiting import until
 
 from scheduler_daemon.client import Client
 from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.db.base import Store
+from scheduler_daemon.db.lock_store import PgLockStore, Predecessor, SqliteLockStore
 from scheduler_daemon.db.plugin_store import Claim, Declaration, PluginStore, RunResult
+from scheduler_daemon.db.postgres import PostgresStore
 from scheduler_daemon.db.publish_store import PublishStore
 from scheduler_daemon.db.schedules import ScheduleStore
-from scheduler_daemon.db.sqlfiles import queries
+from scheduler_daemon.db.sqlfiles import migrations, queries
+from scheduler_daemon.db.sqlite import SqliteStore
 
 
 @pytest.fixture
@@ -592,3 +600,124 @@ async def test_take_due_skips_rows_another_transaction_holds(pg_url: str) -> Non
                 upcoming = await PublishStore(tx).next_due()
         assert [row.id for row in taken] == [second]
         assert upcoming.skipped
+
+
+# -- the leaders' lock store (db/lock_store.py) ---------------------------------------------
+
+LOOP, KEY = "plugin", 0x5C4ED
+
+
+@asynccontextmanager
+async def lock_store(store: Store) -> AsyncIterator[PgLockStore | SqliteLockStore]:
+    """A guard's statements on a connection of its own: a PostgreSQL session outside the
+    pool (no transaction: each statement commits), or a SQLite write transaction."""
+    if isinstance(store, PostgresStore):
+        conn = await store.connect_dedicated("lock:test")
+        try:
+            yield PgLockStore(conn)
+        finally:
+            await conn.close()
+        return
+    assert isinstance(store, SqliteStore)
+    async with store.write_transaction() as conn:
+        yield SqliteLockStore(conn)
+
+
+async def test_a_leader_claims_its_row_reads_it_back_and_only_it_releases_it(
+    store: Store,
+) -> None:
+    newest = migrations(store.backend)[-1].version
+    async with lock_store(store) as locks:
+        assert await locks.schema_version() == newest
+        nobody = Predecessor(schema_version=newest, instance=None, hostname=None, pid=None)
+        assert await locks.predecessor(LOOP, KEY) == nobody
+        first = await locks.draw_token(LOOP, "a")
+        await locks.claim_leadership(
+            LOOP, KEY, instance="a", hostname="host-a", pid=7, token=first.token
+        )
+        assert await locks.predecessor(LOOP, KEY) == Predecessor(newest, "a", "host-a", 7)
+        assert await locks.predecessor(LOOP, KEY + 1) == nobody, "a row per loop and key"
+        # The next leader claims the same row: it is the next one's predecessor now.
+        second = await locks.draw_token(LOOP, "b")
+        claimed = await locks.claim_leadership(
+            LOOP, KEY, instance="b", hostname="host-b", pid=8, token=second.token
+        )
+        assert await locks.predecessor(LOOP, KEY) == Predecessor(newest, "b", "host-b", 8)
+        if isinstance(locks, PgLockStore):
+            assert isinstance(store, PostgresStore)
+            assert claimed is not None
+            assert claimed.backend_pid == await locks.backend_pid(), "the lock session's"
+            # Known by its lock session: another session's release leaves the row.
+            await PgLockStore(store.pool).release_leadership(LOOP, KEY)
+            kept = await locks.predecessor(LOOP, KEY)
+            await locks.release_leadership(LOOP, KEY)
+        else:
+            assert claimed is None
+            # Known by its instance and process: the leader before's release leaves it.
+            await locks.release_leadership(LOOP, KEY, instance="a", pid=7)
+            kept = await locks.predecessor(LOOP, KEY)
+            await locks.release_leadership(LOOP, KEY, instance="b", pid=8)
+        assert kept.instance == "b"
+        assert await locks.predecessor(LOOP, KEY) == nobody, "handed over: nobody to wait for"
+
+
+async def test_fencing_tokens_grow_with_every_draw_each_loop_its_own(store: Store) -> None:
+    async with lock_store(store) as locks:
+        first = await locks.draw_token(LOOP, "a")
+        second = await locks.draw_token(LOOP, "b")
+        await locks.draw_token("publish", "b")  # another loop's row
+        third = await locks.draw_token(LOOP, "c")
+    assert first.token < second.token < third.token
+    assert (second.previous, third.previous) == (first.token, second.token)
+
+
+async def test_lock_held_and_lock_entry_tell_the_holder_a_waiter_and_neither(
+    pg_url: str,
+) -> None:
+    """PostgreSQL: the session guard's proof (lock_held, asked by the session itself) and
+    the lock manager's entry for another backend (lock_entry: held, waiting, neither)."""
+    first, second = [await asyncpg.connect(pg_url) for _ in range(2)]
+    try:
+        holder, waiter = PgLockStore(first), PgLockStore(second)
+        holder_pid, waiter_pid = await holder.backend_pid(), await waiter.backend_pid()
+        assert not await holder.holds(KEY)
+        assert await waiter.lock_entry(KEY, holder_pid) is None, "neither holds nor waits"
+        assert await holder.try_lock(KEY)
+        assert await holder.holds(KEY)
+        assert await waiter.lock_entry(KEY, holder_pid) is True
+        assert not await waiter.holds(KEY), "held, by another session"
+        assert not await waiter.try_lock(KEY)
+        waiting = asyncio.ensure_future(waiter.wait_for_lock(KEY, slice_ms=100))
+
+        async def queued() -> bool:
+            return await holder.lock_entry(KEY, waiter_pid) is False
+
+        await until(queued, "the waiter queued for the lock", within=5, every=0.01)
+        await holder.unlock(KEY)
+        await asyncio.wait_for(waiting, 5)  # granted the moment the holder let go
+        assert await waiter.holds(KEY)
+        assert await holder.lock_entry(KEY, waiter_pid) is True
+        assert not await holder.holds(KEY)
+    finally:
+        for conn in (first, second):
+            conn.terminate()
+
+
+async def test_a_transaction_competes_for_the_lock_for_as_long_as_it_lasts(pg_url: str) -> None:
+    """PostgreSQL, transaction mode: the lock, this backend and the schema version in one
+    statement; the lock ends with the transaction."""
+    first, second = [await asyncpg.connect(pg_url) for _ in range(2)]
+    try:
+        one, other = PgLockStore(first), PgLockStore(second)
+        async with first.transaction():
+            won = await one.compete(KEY)
+            assert won.won
+            assert won.backend_pid == await one.backend_pid()
+            assert won.schema_version == migrations("postgres")[-1].version
+            async with second.transaction():
+                assert not (await other.compete(KEY)).won
+        async with second.transaction():
+            assert (await other.compete(KEY)).won, "committed: the lock went with it"
+    finally:
+        for conn in (first, second):
+            conn.terminate()

@@ -20,7 +20,7 @@ from rig.waiting import until
 from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.config.url import Backend
 from scheduler_daemon.db.plugin_store import Declaration, PluginStore
-from scheduler_daemon.db.sqlfiles import queries
+from scheduler_daemon.db.sqlfiles import positional
 from scheduler_daemon.leadership.base import LeadershipLost
 from scheduler_daemon.leadership.token_fence import SqlEndedFence, TokenFence, fencing_row
 from scheduler_daemon.logs import get_logger
@@ -28,7 +28,8 @@ from scheduler_daemon.schema_gate import SchemaGate
 
 pytestmark = pytest.mark.postgres
 
-DRAW = queries("postgres")["fencing_next"]
+DRAW, DRAW_PARAMETERS = positional("postgres", "fencing_next")  # as asyncpg takes it
+assert DRAW_PARAMETERS == ("loop", "instance")
 SETTINGS = Settings(lock={"heartbeat_interval": 0.2, "stop_grace": 0.5, "stall_timeout": 3})
 BACKEND: Backend = "postgres"
 

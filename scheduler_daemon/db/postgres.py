@@ -13,10 +13,10 @@ import contextlib
 import json
 import math
 import socket
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import asyncpg
 
@@ -42,6 +42,7 @@ from .postgres_migrate import apply_migrations
 from .sqlfiles import formatted, positional, queries
 
 QUERIES = queries("postgres")
+T = TypeVar("T")
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
@@ -131,11 +132,11 @@ async def ask_between_statements(
     conn: asyncpg.Connection,
     transaction_lock: asyncio.Lock,
     statement_lock: asyncio.Lock,
-    query: str,
-    *args: Any,
-) -> Any:
-    """``query``'s value, asked on ``conn`` if nobody is talking on it: no transaction
-    holds it (``transaction_lock``), or one does but is between two statements (``statement_lock``: it
+    ask: Callable[[asyncpg.Connection], Awaitable[T]],
+) -> T | None:
+    """``ask(conn)``'s answer (one statement on ``conn``: a lock store's read,
+    db/lock_store.py), asked if nobody is talking on it: no transaction holds it
+    (``transaction_lock``), or one does but is between two statements (``statement_lock``: it
     awaits something else, a publisher's API call, a task's sleep). ``None`` while a
     statement runs, or when the transaction it would run in has failed: then the
     connection is busy or answered, so not idle, and the caller asks elsewhere.
@@ -144,12 +145,12 @@ async def ask_between_statements(
     it is quiet keeps the server's idle timeouts for the frozen replica they exist for."""
     if _free(transaction_lock):
         async with transaction_lock:  # taken at once: nothing ran since it was seen free
-            return await conn.fetchval(query, *args)
+            return await ask(conn)
     if not _free(statement_lock):
         return None
     async with statement_lock:
         try:
-            return await conn.fetchval(query, *args)
+            return await ask(conn)
         except asyncpg.InFailedSQLTransactionError:
             return None
 

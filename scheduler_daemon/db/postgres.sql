@@ -265,7 +265,7 @@ ORDER BY ours.position
 -- A shard of a loop ('plugin/7') has a row of its own and draws from its loop's sequence:
 -- its tokens grow with every change of its owner, and no two owners share one.
 WITH previous AS (
-    SELECT token, epoch, timeline, start_offset FROM scheduler_fencing WHERE loop = $1
+    SELECT token, epoch, timeline, start_offset FROM scheduler_fencing WHERE loop = :loop
 ), server AS (
     SELECT ('x' || left(pg_walfile_name(pg_current_wal_lsn()), 8))::bit(32)::bigint AS timeline,
            (256 * extract(epoch FROM pg_postmaster_start_time() - timestamptz '2000-01-01Z'))::bigint
@@ -279,9 +279,9 @@ WITH previous AS (
     FROM server s LEFT JOIN previous p ON true
 )
 INSERT INTO scheduler_fencing AS f (loop, token, instance, epoch, timeline, start_offset)
-SELECT $1, (d.epoch << 40) + d.start_offset
-           + nextval(format('scheduler_fencing_%s_seq', split_part($1::text, '/', 1))::regclass),
-       $2, d.epoch, d.timeline, d.start_offset
+SELECT :loop, (d.epoch << 40) + d.start_offset
+           + nextval(format('scheduler_fencing_%s_seq', split_part(:loop::text, '/', 1))::regclass),
+       :instance, d.epoch, d.timeline, d.start_offset
 FROM drawn d
 ON CONFLICT (loop) DO UPDATE SET
     token = EXCLUDED.token, instance = EXCLUDED.instance, changed_at = now(),
@@ -296,11 +296,11 @@ RETURNING token, (SELECT token FROM previous) AS previous
 SELECT (SELECT max(version) FROM scheduler_schema_version) AS schema_version,
        p.instance, p.hostname, p.pid
 FROM (SELECT 1) AS one
-LEFT JOIN scheduler_leaders p ON p.loop = $1 AND p.lock_key = $2
+LEFT JOIN scheduler_leaders p ON p.loop = :loop AND p.lock_key = :key
 
 -- name: instance_sessions
 -- Sessions of a daemon instance (its application_name prefix), other than ours, and how
--- many of them wait for advisory lock $2 (the one we hold): those stand by for the loop,
+-- many of them wait for advisory lock :key (the one we hold): those stand by for the loop,
 -- so the instance's own leadership of it has ended. Its old lock session, which the
 -- server may still list a moment after freeing the lock, held the lock: it does not wait.
 -- A sharded member's watch (leadership/shards.py) does not count: it only waits for a
@@ -312,10 +312,10 @@ SELECT count(*) AS n,
            WHERE l.pid = a.pid AND l.locktype = 'advisory' AND NOT l.granted
              AND l.objsubid = 1
              AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-             AND l.classid = (($2::bigint >> 32) & 4294967295)::oid
-             AND l.objid = ($2::bigint & 4294967295)::oid)) AS waiting
+             AND l.classid = ((:key::bigint >> 32) & 4294967295)::oid
+             AND l.objid = (:key::bigint & 4294967295)::oid)) AS waiting
 FROM pg_stat_activity a
-WHERE left(a.application_name, length($1)) = $1 AND a.pid <> pg_backend_pid()
+WHERE left(a.application_name, length(:prefix)) = :prefix AND a.pid <> pg_backend_pid()
   AND a.application_name NOT LIKE '%/watch:%'
 
 -- name: leader_claim
@@ -323,7 +323,7 @@ WHERE left(a.application_name, length($1)) = $1 AND a.pid <> pg_backend_pid()
 INSERT INTO scheduler_leaders
     (loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at,
      fencing_token)
-VALUES ($1, $2, $3, $4, $5, pg_backend_pid(), now(), now(), $6)
+VALUES (:loop, :key, :instance, :hostname, :pid, pg_backend_pid(), now(), now(), :token)
 ON CONFLICT (loop, lock_key) DO UPDATE SET
     instance = EXCLUDED.instance,
     hostname = EXCLUDED.hostname, pid = EXCLUDED.pid, backend_pid = EXCLUDED.backend_pid,
@@ -337,7 +337,7 @@ RETURNING backend_pid, acquired_at
 INSERT INTO scheduler_leaders AS l
     (loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at,
      fencing_token)
-VALUES ($1, $2, $3, $4, $5, pg_backend_pid(), now(), now(), $6)
+VALUES (:loop, :key, :instance, :hostname, :pid, pg_backend_pid(), now(), now(), :token)
 ON CONFLICT (loop, lock_key) DO UPDATE SET
     hostname = EXCLUDED.hostname, pid = EXCLUDED.pid,
     backend_pid = EXCLUDED.backend_pid, heartbeat_at = EXCLUDED.heartbeat_at,
@@ -354,12 +354,12 @@ SELECT EXISTS (
     SELECT 1 FROM pg_locks
     WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid() AND objsubid = 1
       AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-      AND classid = (($1::bigint >> 32) & 4294967295)::oid
-      AND objid = ($1::bigint & 4294967295)::oid)
+      AND classid = ((:key::bigint >> 32) & 4294967295)::oid
+      AND objid = (:key::bigint & 4294967295)::oid)
 
 -- name: leader_release
 DELETE FROM scheduler_leaders
-WHERE loop = $1 AND lock_key = $2 AND backend_pid = pg_backend_pid()
+WHERE loop = :loop AND lock_key = :key AND backend_pid = pg_backend_pid()
 
 -- name: token_fence
 -- Session mode: what follows BEGIN in every fenced transaction on a pooled connection
@@ -396,21 +396,21 @@ RESET ALL
 -- hold proves its lock by it, lock_entry), and the schema version, whose read holds ACCESS
 -- SHARE on scheduler_schema_version until the transaction ends, as scheduler_fence's does
 -- (schema_gate.py). One statement: no round trip added to a tick.
-SELECT pg_try_advisory_xact_lock($1) AS won, pg_backend_pid() AS backend,
+SELECT pg_try_advisory_xact_lock(:key) AS won, pg_backend_pid() AS backend,
        (SELECT max(version) FROM scheduler_schema_version) AS schema_version
 
 -- name: lock_entry
--- Backend $2's entry for key $1 in the lock manager: true (it holds the lock), false (it
--- waits for it), NULL (neither). The session fence after SQL ended its transaction early,
+-- Backend :backend_pid's entry for key :key in the lock manager: true (it holds the
+-- lock), false (it waits for it), NULL (neither). The session fence after SQL ended its transaction early,
 -- a transaction-mode hold's heartbeat (through the pool) and its hand-over ask this.
 SELECT granted FROM pg_locks
-WHERE locktype = 'advisory' AND pid = $2 AND objsubid = 1
+WHERE locktype = 'advisory' AND pid = :backend_pid AND objsubid = 1
   AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND classid = (($1::bigint >> 32) & 4294967295)::oid
-  AND objid = ($1::bigint & 4294967295)::oid
+  AND classid = ((:key::bigint >> 32) & 4294967295)::oid
+  AND objid = (:key::bigint & 4294967295)::oid
 
 -- Session mode's lock connection (leadership/postgres_session.py): its settings, and the
--- loop's session-level lock (key $1), taken, waited for, let go.
+-- loop's session-level lock (key :key), taken, waited for, let go.
 
 -- name: session_limits
 -- The lock session's server-side limits (PostgreSQL 14 or later, checked at start), set
@@ -426,7 +426,7 @@ SET idle_in_transaction_session_timeout = {stall_ms}
 
 -- name: lock_try
 -- standby = "poll": the lock if it is free now, else false (tried every lock.poll_interval).
-SELECT pg_try_advisory_lock($1)
+SELECT pg_try_advisory_lock(:key)
 
 -- name: statement_timeout_off
 -- Before lock_wait (and a shard member's watch, before shard_watch): the wait lasts until
@@ -436,10 +436,10 @@ SET statement_timeout = 0
 -- name: lock_wait
 -- standby = "wait": one statement, granted the moment the leader's session ends. A waiting
 -- standby sends nothing and costs the database nothing but its connection. It waits in
--- slices of $2 ms (migration 0010 says why): a plain `SELECT pg_advisory_lock($1)` would
--- hold the database's xmin horizon for as long as it waits, and no VACUUM could remove a
--- dead row meanwhile.
-CALL scheduler_wait_for_lock($1, $2)
+-- slices of :slice_ms ms (migration 0010 says why): a plain
+-- `SELECT pg_advisory_lock(:key)` would hold the database's xmin horizon for as long as it
+-- waits, and no VACUUM could remove a dead row meanwhile.
+CALL scheduler_wait_for_lock(:key, :slice_ms)
 
 -- name: statement_timeout_reset
 -- After lock_wait: back to the value the session started with (database.statement_timeout,
@@ -448,7 +448,7 @@ RESET statement_timeout
 
 -- name: lock_unlock
 -- A graceful hand-over, after leader_release: whoever waits next is granted the lock now.
-SELECT pg_advisory_unlock($1)
+SELECT pg_advisory_unlock(:key)
 
 -- Transaction mode (leadership/postgres_transaction.py): nothing may be set for the
 -- session behind a pooler, so each transaction makes its own settings (SET LOCAL).
@@ -472,7 +472,7 @@ SELECT pg_backend_pid()
 -- A hand-over hold queues for the lock that the tick which claimed its work holds: when
 -- that transaction commits, the server grants the lock to this one in the same step, and
 -- nobody can take it in between. The wait is bounded by lock_timeout_local.
-SELECT pg_advisory_xact_lock($1)
+SELECT pg_advisory_xact_lock(:key)
 
 -- name: lock_timeout_local
 -- How long this transaction's statements wait for a lock, milliseconds: a hand-over
@@ -553,23 +553,24 @@ WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
   AND l.classid = $2::bigint::oid AND l.objid::bigint < $4
 
 -- name: shard_member_state
--- A sharded member's heartbeat: whether backend $1 still holds its member lock ($2, $3),
--- which shards of class $4 it holds, and the members' pids (a change says: rebalance).
+-- A sharded member's heartbeat: whether backend :backend_pid still holds its member lock
+-- (:member_class, :member_objid), which shards of class :shard_class it holds, and the
+-- members' pids (a change says: rebalance).
 -- Read-only, as lock_held.
 WITH mine AS (
     SELECT l.classid::bigint AS classid, l.objid::bigint AS objid FROM pg_locks l
-    WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted AND l.pid = $1
+    WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted AND l.pid = :backend_pid
       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 )
 SELECT jsonb_build_object(
-    'member', EXISTS (SELECT 1 FROM mine WHERE classid = $2 AND objid = $3),
+    'member', EXISTS (SELECT 1 FROM mine WHERE classid = :member_class AND objid = :member_objid),
     'shards', coalesce((SELECT jsonb_agg(objid ORDER BY objid) FROM mine
-                        WHERE classid = $4 AND objid < 4194304), '[]'::jsonb),
+                        WHERE classid = :shard_class AND objid < 4194304), '[]'::jsonb),
     'members', coalesce((
         SELECT jsonb_agg(l.pid ORDER BY l.pid) FROM pg_locks l
         WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-          AND l.classid = $2::bigint::oid AND (l.objid::bigint & 4194303) = l.pid),
+          AND l.classid = :member_class::bigint::oid AND (l.objid::bigint & 4194303) = l.pid),
         '[]'::jsonb))
 
 -- name: shard_fence_begin
@@ -626,43 +627,44 @@ SELECT count(*) AS taken FROM (
 ) u
 
 -- name: shard_try_lock
--- The shards of $2 this session could take now (class $1), each now held by it.
-SELECT array_agg(s ORDER BY s) AS taken FROM unnest($2::int[]) AS s
-WHERE pg_try_advisory_lock($1::bigint::int, s)
+-- The shards of :shards this session could take now (class :shard_class), each now held by it.
+SELECT array_agg(s ORDER BY s) AS taken FROM unnest(:shards::int[]) AS s
+WHERE pg_try_advisory_lock(:shard_class::bigint::int, s)
 
 -- name: shard_stale_leaders
--- Leaders of loop $1, unsharded (loop $1) or of a shard ('$1/<n>'; shard class $2), whose
--- recorded lock session no longer holds what it led, and which did not hand over (a
+-- Leaders of loop :loop, unsharded (loop :loop) or of a shard (':loop/<n>'; shard class
+-- :shard_class), whose recorded lock session no longer holds what it led, and which did not hand over (a
 -- hand-over deletes its row): the predecessors a new holder must wait for, whatever
 -- layout they ran with.
 SELECT r.loop, r.instance, r.hostname, r.pid, r.backend_pid
 FROM scheduler_leaders r
-WHERE (r.loop = $1 OR r.loop LIKE $1 || '/%')
+WHERE (r.loop = :loop OR r.loop LIKE :loop || '/%')
   AND NOT EXISTS (
       SELECT 1 FROM pg_locks l
       WHERE l.locktype = 'advisory' AND l.granted AND l.pid = r.backend_pid
         AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-        AND ((l.objsubid = 2 AND l.classid = $2::bigint::oid AND $1 || '/' || l.objid = r.loop)
-             OR (l.objsubid = 1 AND r.loop = $1
+        AND ((l.objsubid = 2 AND l.classid = :shard_class::bigint::oid AND :loop || '/' || l.objid = r.loop)
+             OR (l.objsubid = 1 AND r.loop = :loop
                  AND l.classid = ((r.lock_key >> 32) & 4294967295)::oid
                  AND l.objid = (r.lock_key & 4294967295)::oid)))
 
 -- name: leaders_forget
--- The rows of leaders waited for (loop $1[i], lock session $2[i]): nobody waits again.
+-- The rows of leaders waited for (loop :loops[i], lock session :backend_pids[i]): nobody
+-- waits again.
 DELETE FROM scheduler_leaders r
-USING unnest($1::text[], $2::int[]) AS f(loop, backend_pid)
+USING unnest(:loops::text[], :backend_pids::int[]) AS f(loop, backend_pid)
 WHERE r.loop = f.loop AND r.backend_pid IS NOT DISTINCT FROM f.backend_pid
 
 -- name: shard_leaders_release
--- A graceful hand-over of shards $1, committed before their locks are let go: the next
+-- A graceful hand-over of shards :shards, committed before their locks are let go: the next
 -- owner finds no leader row, so it knows there is nobody to wait for.
 DELETE FROM scheduler_leaders
-WHERE loop = ANY(SELECT 'plugin/' || s FROM unnest($1::int[]) AS s)
+WHERE loop = ANY(SELECT 'plugin/' || s FROM unnest(:shards::int[]) AS s)
   AND backend_pid = pg_backend_pid()
 
 -- name: shard_unlock
-SELECT count(*) FILTER (WHERE pg_advisory_unlock($1::bigint::int, s)) AS released
-FROM unnest($2::int[]) AS s
+SELECT count(*) FILTER (WHERE pg_advisory_unlock(:shard_class::bigint::int, s)) AS released
+FROM unnest(:shards::int[]) AS s
 
 -- name: shard_owners
 -- `status`: every shard of the plugin loop ($2 of them, class $1), who holds it (from the
@@ -1395,26 +1397,26 @@ RETURNING *
 -- member classes and an objid as int4, the loop's own key as bigint.
 
 -- name: shard_join_gate
--- Held by a joining member until its join transaction ends ($1 the shard class, $2 the
--- gate's key in it, above every shard): members join one at a time, so two of them cannot
+-- Held by a joining member until its join transaction ends (:shard_class the shard class,
+-- :gate the gate's key in it, above every shard): members join one at a time, so two of them cannot
 -- both find no other shard count (shard_layouts) and join with different ones.
-SELECT pg_advisory_xact_lock($1, $2)
+SELECT pg_advisory_xact_lock(:shard_class, :gate)
 
 -- name: shard_join_share
--- Members hold the loop's own key ($1) shared; a replica that leads the loop unsharded
+-- Members hold the loop's own key (:key) shared; a replica that leads the loop unsharded
 -- holds it exclusively. False while one leads it (or waits for it): no joining then.
-SELECT pg_try_advisory_lock_shared($1)
+SELECT pg_try_advisory_lock_shared(:key)
 
 -- name: shard_join_member
--- The member lock ($1 the member class, $2 the objid as int4). False only while a watch
--- holds it: granted the lock of a dead member whose pid the server has since given to
+-- The member lock (:member_class the member class, :objid the objid as int4). False only
+-- while a watch holds it: granted the lock of a dead member whose pid the server has since given to
 -- this session.
-SELECT pg_try_advisory_lock($1, $2)
+SELECT pg_try_advisory_lock(:member_class, :objid)
 
 -- name: shard_join_unshare
--- No member lock to be had (shard_join_member): the shared hold on the loop's key ($1)
+-- No member lock to be had (shard_join_member): the shared hold on the loop's key (:key)
 -- goes until the next try.
-SELECT pg_advisory_unlock_shared($1)
+SELECT pg_advisory_unlock_shared(:key)
 
 -- name: shard_leave
 -- A graceful leave, after shard_leaders_release: every lock of the session (the member
@@ -1422,11 +1424,12 @@ SELECT pg_advisory_unlock_shared($1)
 SELECT pg_advisory_unlock_all()
 
 -- name: shard_notify
--- Tell the other members to look again: $1 the channel (scheduler_shards_changed), $2
--- why (member_joined, member_left, member_gone, shard_released), for their logs.
-SELECT pg_notify($1, $2)
+-- Tell the other members to look again: :channel the channel (scheduler_shards_changed),
+-- :why why (member_joined, member_left, member_gone, shard_released), for their logs.
+SELECT pg_notify(:channel, :why)
 
 -- name: shard_watch
--- Wait for the next member's lock ($1 the member class, $2 its objid as int4): granted the
--- moment that member's session ends. In slices of $3 ms, as lock_wait.
-CALL scheduler_wait_for_lock($1, $2, $3)
+-- Wait for the next member's lock (:member_class the member class, :objid its objid as
+-- int4): granted the moment that member's session ends. In slices of :slice_ms ms, as
+-- lock_wait.
+CALL scheduler_wait_for_lock(:member_class, :objid, :slice_ms)

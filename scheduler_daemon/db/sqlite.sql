@@ -86,18 +86,28 @@ FROM pragma_page_count() AS p, pragma_page_size() AS s, pragma_freelist_count() 
 -- name: fencing_next
 -- One more than the last. (No sequence in SQLite; its transactions that draw a token
 -- commit before any work starts.)
-INSERT INTO scheduler_fencing AS f (loop, token, instance) VALUES (?1, 1, ?2)
+INSERT INTO scheduler_fencing AS f (loop, token, instance) VALUES (:loop, 1, :instance)
 ON CONFLICT (loop) DO UPDATE SET
     token = f.token + 1, instance = excluded.instance,
     changed_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
 RETURNING token, token - 1 AS previous
 
+-- name: leader_predecessor
+-- As in postgres.sql: read by a new leader before it claims the row, the schema version
+-- (a replica granted the locks on a newer schema lets them go at once: schema_gate.py),
+-- and who led last and did not hand over (a graceful release deletes the row; instance is
+-- NULL then).
+SELECT (SELECT max(version) FROM scheduler_schema_version) AS schema_version,
+       p.instance, p.hostname, p.pid
+FROM (SELECT 1) AS one
+LEFT JOIN scheduler_leaders p ON p.loop = :loop AND p.lock_key = :key
+
 -- name: leader_claim
 INSERT INTO scheduler_leaders
     (loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at,
      fencing_token)
-VALUES (?1, ?2, ?3, ?4, ?5, NULL, strftime('%Y-%m-%dT%H:%M:%fZ', 'now'),
-        strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), ?6)
+VALUES (:loop, :key, :instance, :hostname, :pid, NULL, strftime('%Y-%m-%dT%H:%M:%fZ', 'now'),
+        strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), :token)
 ON CONFLICT (loop, lock_key) DO UPDATE SET
     instance = excluded.instance,
     hostname = excluded.hostname, pid = excluded.pid, backend_pid = NULL,
@@ -106,11 +116,11 @@ ON CONFLICT (loop, lock_key) DO UPDATE SET
 
 -- name: leader_heartbeat
 UPDATE scheduler_leaders SET heartbeat_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
-WHERE loop = ?1 AND lock_key = ?2 AND instance = ?3 AND pid = ?4
+WHERE loop = :loop AND lock_key = :key AND instance = :instance AND pid = :pid
 
 -- name: leader_release
 DELETE FROM scheduler_leaders
-WHERE loop = ?1 AND lock_key = ?2 AND instance = ?3 AND pid = ?4
+WHERE loop = :loop AND lock_key = :key AND instance = :instance AND pid = :pid
 
 -- name: leaders
 SELECT loop, lock_key, instance, hostname, pid, backend_pid, acquired_at, heartbeat_at,

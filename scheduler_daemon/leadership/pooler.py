@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import asyncpg
 
+from ..db.lock_store import PgLockStore
 from ..db.postgres import PostgresStore
-from ..db.sqlfiles import queries
-
-QUERIES = queries("postgres")
 
 PROBE_TIMEOUT = 2.0
 
@@ -31,15 +29,15 @@ async def detect_transaction_pooler(store: PostgresStore) -> str | None:
         subject.terminate()
         raise
     try:
-        backend_pid = QUERIES["backend_pid"]
-        first = await subject.fetchval(backend_pid)
+        asked, pinning = PgLockStore(subject), PgLockStore(pinner)
+        first = await asked.backend_pid()
         async with pinner.transaction():
-            await pinner.fetchval(backend_pid)
+            await pinning.backend_pid()
             try:
-                second = await subject.fetchval(backend_pid, timeout=PROBE_TIMEOUT)
+                second = await asked.backend_pid(within=PROBE_TIMEOUT)
             except TimeoutError:
                 return "a statement waited for another client's transaction to end"
-        third = await subject.fetchval(backend_pid)
+        third = await asked.backend_pid()
     except (asyncpg.InvalidSQLStatementNameError, asyncpg.DuplicatePreparedStatementError) as exc:
         return f"prepared statements moved between server sessions ({type(exc).__name__})"
     finally:

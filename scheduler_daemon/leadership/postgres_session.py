@@ -50,21 +50,19 @@ import asyncpg
 from ..aio import wait_any
 from ..config.settings import Settings
 from ..config.timing import LockSettings
+from ..db.lock_store import Claimed, PgLockStore, Predecessor, StaleLeader
 from ..db.postgres import (
     PgTx,
     PostgresStore,
     ask_between_statements,
     detect_dead_peer,
 )
-from ..db.sqlfiles import formatted, queries
 from ..errors import describe
 from ..logs import Logger
 from ..schema_gate import SchemaGate
 from .base import GuardBase, LeadershipLost, LeaseState, Stopping, settle_time
 from .heartbeat import heartbeat
 from .token_fence import TokenFence, fencing_row
-
-QUERIES = queries("postgres")
 
 # A standby's wait for the lock, and a sharded member's watch, are slices this long, each
 # a transaction of its own (migration 0010): no snapshot lives longer than this, so a
@@ -83,7 +81,10 @@ def session_keepalive_settings(settings: Settings) -> dict[str, str]:
 
 
 async def wait_for_predecessor(
-    conn: asyncpg.Connection | asyncpg.Pool, predecessor: Any, key: int, settings: Settings
+    conn: asyncpg.Connection | asyncpg.Pool,
+    predecessor: Predecessor | StaleLeader | None,
+    key: int,
+    settings: Settings,
 ) -> dict[str, Any]:
     """Before a new leader does any work, make sure the previous one has stopped its own.
 
@@ -102,29 +103,28 @@ async def wait_for_predecessor(
     (docs/leadership.md).
     """
     me = (settings.instance_id, os.getpid())
-    if predecessor is None or (predecessor["instance"], predecessor["pid"]) == me:
+    if predecessor is None or (predecessor.instance, predecessor.pid) == me:
         return {}
     # As the server stores application_name: cut to 63 bytes, at a character boundary.
-    whole = f"scheduler-daemon/{predecessor['instance']}/".encode()
+    whole = f"scheduler-daemon/{predecessor.instance}/".encode()
     prefix = whole[:63].decode(errors="ignore")
     started = time.monotonic()
     deadline = started + settle_time(settings)
     alive, standing_by = True, False
+    locks = PgLockStore(conn)
     while time.monotonic() < deadline:
-        sessions = await conn.fetchrow(
-            QUERIES["instance_sessions"], prefix, key, timeout=settings.lock.stop_grace
-        )
-        if not sessions["n"]:
+        sessions = await locks.instance_sessions(prefix, key, within=settings.lock.stop_grace)
+        if not sessions.count:
             alive = False
             break
         # Waiting for the lock again says it stopped its work, but a name is not proof of
         # who waits: a sibling whose instance id shares the cut prefix, or a replica given
         # the same id by mistake, waits too. So it only decides how the take-over is
         # reported (not an eviction), never how long to wait.
-        standing_by = bool(sessions["waiting"]) and len(whole) <= 63
+        standing_by = bool(sessions.waiting) and len(whole) <= 63
         await asyncio.sleep(0.01)
     return {
-        "predecessor": predecessor["instance"],
+        "predecessor": predecessor.instance,
         "predecessor_alive": alive,
         "predecessor_standing_by": standing_by,
         "settled_in": round(time.monotonic() - started, 4),
@@ -238,9 +238,9 @@ class SessionGuard(GuardBase[PostgresStore]):
         # then even a tick stuck waiting on it ends leadership (the termination listener).
         detect_dead_peer(conn, self.lock.step_down_after)
         try:
-            await conn.execute(self._session_timeouts())
+            await self._limit_session(conn)
             await self._wait_for_lock(conn)
-            predecessor, token, row = await self._claim(conn)
+            predecessor, token, claimed = await self._claim(conn)
             settled = await self._wait_for_predecessor(conn, predecessor)
         except BaseException:
             conn.terminate()
@@ -248,8 +248,8 @@ class SessionGuard(GuardBase[PostgresStore]):
         lease = SessionLease(
             conn,
             self.key,
-            row["backend_pid"],
-            row["acquired_at"],
+            claimed.backend_pid,
+            claimed.acquired_at,
             token,
             self.settings,
             self.log,
@@ -278,31 +278,24 @@ class SessionGuard(GuardBase[PostgresStore]):
             await self._stop_leading(lease, beating, on_closed)
             await self._release(lease, graceful=clean_exit and not lease.lost.is_set())
 
-    async def _claim(self, conn: asyncpg.Connection) -> tuple[Any, int, Any]:
+    async def _claim(self, conn: asyncpg.Connection) -> tuple[Predecessor | None, int, Claimed]:
         """Just granted the lock: who led before (None: nobody recorded), the fencing token
         drawn for this leadership, and our row in ``scheduler_leaders``, in one
         transaction."""
+        locks = PgLockStore(conn)
         async with conn.transaction():
-            found = await conn.fetchrow(QUERIES["leader_predecessor"], self.loop, self.key)
+            found = await locks.predecessor(self.loop, self.key)
             # Granted on a schema newer than we know: claim nothing, let the lock go (the
             # caller drops the connection) to whoever waits next.
-            self.schema.check(found["schema_version"], self.log, "lock granted")
-            predecessor = found if found["instance"] is not None else None
-            token: int = await conn.fetchval(
-                QUERIES["fencing_next"],
-                fencing_row(self.loop, self.key),
-                self.settings.instance_id,
-            )
-            row = await conn.fetchrow(
-                QUERIES["leader_claim"],
-                self.loop,
-                self.key,
-                self.settings.instance_id,
-                socket.gethostname(),
-                os.getpid(),
-                token,
-            )
-        return predecessor, token, row
+            self.schema.check(found.schema_version, self.log, "lock granted")
+            predecessor = found if found.instance is not None else None
+            instance = self.settings.instance_id
+            drawn = await locks.draw_token(fencing_row(self.loop, self.key), instance)
+            claimed = await locks.claim_leadership(
+                self.loop, self.key, instance=instance, hostname=socket.gethostname(),
+                pid=os.getpid(), token=drawn.token,
+            )  # fmt: skip
+        return predecessor, drawn.token, claimed
 
     def _report_acquired(self, lease: SessionLease, settled: dict[str, Any]) -> None:
         if settled.get("predecessor_alive") and not settled.get("predecessor_standing_by"):
@@ -332,15 +325,14 @@ class SessionGuard(GuardBase[PostgresStore]):
         lease.conn.remove_termination_listener(on_closed)
         self.metrics.leader.labels(self.loop).set(0)
 
-    def _session_timeouts(self) -> str:
+    async def _limit_session(self, conn: asyncpg.Connection) -> None:
         """The lock session's server-side limits (``session_limits`` in db/postgres.sql says
         why each): the idle timeouts, the stall eviction, are ``stall_timeout`` in whole
         milliseconds, as config/timing.py checked. Sent before the wait for the lock."""
-        stall_ms = round(self.lock.stall_timeout * 1000)
-        return formatted(QUERIES["session_limits"], stall_ms=stall_ms)
+        await PgLockStore(conn).limit_session(stall_ms=round(self.lock.stall_timeout * 1000))
 
     async def _wait_for_predecessor(
-        self, conn: asyncpg.Connection, predecessor: Any
+        self, conn: asyncpg.Connection, predecessor: Predecessor | None
     ) -> dict[str, Any]:
         settled = await wait_for_predecessor(conn, predecessor, self.key, self.settings)
         if self.loop == "plugin":
@@ -354,24 +346,20 @@ class SessionGuard(GuardBase[PostgresStore]):
         from .shard_keys import ShardKeys
 
         me = (self.settings.instance_id, os.getpid())
+        locks = PgLockStore(conn)
         stale = [
-            row
-            for row in await conn.fetch(
-                QUERIES["shard_stale_leaders"], self.loop, ShardKeys(self.key, 1).shard_class
-            )
-            if row["loop"] != self.loop and (row["instance"], row["pid"]) != me
+            leader
+            for leader in await locks.stale_leaders(self.loop, ShardKeys(self.key, 1).shard_class)
+            if leader.loop != self.loop and (leader.instance, leader.pid) != me
         ]
         if not stale:
             return
-        whom = {(row["instance"], row["pid"]): row for row in stale}
+        whom = {(leader.instance, leader.pid): leader for leader in stale}
         pool = self.store.pool  # several at once: not on the one lock connection
         await asyncio.gather(
             *(wait_for_predecessor(pool, row, self.key, self.settings) for row in whom.values())
         )
-        await conn.execute(
-            QUERIES["leaders_forget"], [row["loop"] for row in stale],
-            [row["backend_pid"] for row in stale],
-        )  # fmt: skip
+        await locks.forget_leaders(stale)
 
     def _on_closed(self, lease: SessionLease) -> Callable[[Any], None]:
         def closed(_conn: Any) -> None:
@@ -383,16 +371,15 @@ class SessionGuard(GuardBase[PostgresStore]):
     async def _wait_for_lock(self, conn: asyncpg.Connection) -> None:
         self.metrics.lock_waits.labels(self.loop).inc()
         self.log.info("leader.waiting", key=self.key, standby=self.lock.standby)
+        locks = PgLockStore(conn)
         if self.lock.standby == "poll":
-            while not await conn.fetchval(QUERIES["lock_try"], self.key):
+            while not await locks.try_lock(self.key):
                 if await wait_any([self.stop, self.schema.newer], self.lock.poll_interval):
                     raise Stopping if self.stop.is_set() else self.schema.error()
             return
         # No statement_timeout on the wait: it lasts until the lock is granted.
-        await conn.execute(QUERIES["statement_timeout_off"])
-        waiting = asyncio.ensure_future(
-            conn.execute(QUERIES["lock_wait"], self.key, LOCK_WAIT_SLICE_MS)
-        )
+        await locks.no_statement_timeout()
+        waiting = asyncio.ensure_future(locks.wait_for_lock(self.key, LOCK_WAIT_SLICE_MS))
         # Stopping, or another loop of this replica found the schema newer than we know.
         quitting = [asyncio.ensure_future(e.wait()) for e in (self.stop, self.schema.newer)]
         try:
@@ -415,7 +402,7 @@ class SessionGuard(GuardBase[PostgresStore]):
                 waiting.exception()  # retrieved: the stop is what we report
             raise Stopping if self.stop.is_set() else self.schema.error()
         waiting.result()
-        await conn.execute(QUERIES["statement_timeout_reset"])
+        await locks.reset_statement_timeout()
 
     async def _prove(self, lease: SessionLease) -> bool:
         """One heartbeat: the database still sees our lock session holding the key.
@@ -432,8 +419,7 @@ class SessionGuard(GuardBase[PostgresStore]):
                 lease.conn,
                 lease.transaction_lock,
                 lease.statement_lock,
-                QUERIES["lock_held"],
-                self.key,
+                lambda conn: PgLockStore(conn).holds(self.key),
             )
             if held is not None:
                 return bool(held)
@@ -444,8 +430,8 @@ class SessionGuard(GuardBase[PostgresStore]):
             # with it, is over (not a network doubt that would earn the work its grace).
             lease.lose("lock connection closed", lock_may_be_free=True)
             return False
-        held = await self.store.pool.fetchval(QUERIES["lock_entry"], self.key, lease.backend_pid)
-        return held is True
+        entry = await PgLockStore(self.store.pool).lock_entry(self.key, lease.backend_pid)
+        return entry is True
 
     def _report_lost(self, reason: str, lock_may_be_free: bool) -> None:
         """The lease's loss, reported once, whatever noticed it."""
@@ -456,8 +442,9 @@ class SessionGuard(GuardBase[PostgresStore]):
         if graceful:
             try:
                 async with asyncio.timeout(self.settings.database.connect_timeout):
-                    await lease.conn.execute(QUERIES["leader_release"], self.loop, self.key)
-                    await lease.conn.execute(QUERIES["lock_unlock"], self.key)
+                    locks = PgLockStore(lease.conn)
+                    await locks.release_leadership(self.loop, self.key)
+                    await locks.unlock(self.key)
                     await lease.conn.close()
                 self.metrics.leadership_changes.labels(self.loop, "released").inc()
                 self.log.info("leader.released", key=self.key)

@@ -36,6 +36,7 @@ from typing import Any
 import asyncpg
 
 from ..db.base import Tx
+from ..db.lock_store import PgLockStore
 from ..db.postgres import (
     FENCED_ISOLATION,
     PgTx,
@@ -44,7 +45,6 @@ from ..db.postgres import (
     detect_dead_peer,
     statement_locked_transaction,
 )
-from ..db.sqlfiles import formatted, queries
 from ..errors import describe
 from .base import (
     KILL_WAIT,
@@ -57,8 +57,6 @@ from .base import (
     settle_time,
 )
 from .heartbeat import heartbeat
-
-QUERIES = queries("postgres")
 
 # How long a tick waits for its hand-over hold to be queued on the lock (one round trip
 # on a healthy server) before it gives up and rolls back what it claimed.
@@ -98,9 +96,7 @@ class TransactionGuard(GuardBase[PostgresStore]):
         """Per-transaction settings: nothing may be set for the session behind a pooler."""
         stall_ms = int(self.settings.lock.stall_timeout * 1000)
         statement_ms = int(self.settings.database.statement_timeout * 1000)
-        await conn.execute(
-            formatted(QUERIES["transaction_limits"], stall_ms=stall_ms, statement_ms=statement_ms)
-        )
+        await PgLockStore(conn).limit_transaction(stall_ms=stall_ms, statement_ms=statement_ms)
 
     async def compete(self, conn: asyncpg.Connection) -> tuple[int, int]:
         """Take the lock for this transaction or raise :class:`NotLeader`; return the
@@ -108,26 +104,22 @@ class TransactionGuard(GuardBase[PostgresStore]):
         server backend's pid (behind a pooler, the client cannot know it). On a schema
         newer than this build knows, :class:`SchemaNewer` instead (schema_gate.py): the
         same statement reads the version, and holds it until the transaction ends."""
-        fence = await conn.fetchrow(QUERIES["fence_compete"], self.key)
-        self.schema.check(fence["schema_version"], self.log, "fence")
-        if not fence["won"]:
+        locks = PgLockStore(conn)
+        fence = await locks.compete(self.key)
+        self.schema.check(fence.schema_version, self.log, "fence")
+        if not fence.won:
             self.note_leading(False)
             raise NotLeader(self.loop)
         instance = self.settings.instance_id
-        drawn = await conn.fetchrow(QUERIES["fencing_next"], self.loop, instance)
-        token: int = drawn["token"]
-        await conn.execute(
-            QUERIES["leader_touch"],
-            self.loop,
-            self.key,
-            instance,
-            socket.gethostname(),
-            os.getpid(),
-            token,
-        )
+        drawn = await locks.draw_token(self.loop, instance)
+        token = drawn.token
+        await locks.touch_leadership(
+            self.loop, self.key, instance=instance, hostname=socket.gethostname(),
+            pid=os.getpid(), token=token,
+        )  # fmt: skip
         self.note_leading(True)
-        await self._wait_for_predecessor(drawn["previous"], token)
-        return token, fence["backend"]
+        await self._wait_for_predecessor(drawn.previous, token)
+        return token, fence.backend_pid
 
     async def _wait_for_predecessor(self, previous: int | None, token: int) -> None:
         """A transaction that wins the lock draws the loop's next token. If the last one
@@ -281,15 +273,16 @@ class TransactionHold(LeaseState):
         waiting: from then on, ``tx`` ending hands the lock straight to us."""
         conn = await self._open()
         try:
-            self._backend = await conn.fetchval(QUERIES["backend_pid"])
+            locks = PgLockStore(conn)
+            self._backend = await locks.backend_pid()
             stall_ms = int(self.settings.lock.stall_timeout * 1000)
-            await conn.execute(formatted(QUERIES["lock_timeout_local"], milliseconds=stall_ms))
-            self._granted = asyncio.ensure_future(
-                conn.execute(QUERIES["hold_queue"], self.guard.key)
-            )
+            await locks.lock_timeout(milliseconds=stall_ms)
+            self._granted = asyncio.ensure_future(locks.queue_for_lock(self.guard.key))
             deadline = time.monotonic() + HANDOVER_QUEUE_TIMEOUT
             waiting = [{"granted": False}]  # our backend's entry for the key, not granted
-            while await tx.fetch("lock_entry", self.guard.key, self._backend) != waiting:
+            # Asked in the tick's transaction: the hold's connection waits in hold_queue.
+            entry = {"key": self.guard.key, "backend_pid": self._backend}
+            while await tx.query("lock_entry", **entry) != waiting:
                 if self._granted.done():
                     self._granted.result()  # an error; the lock cannot be granted meanwhile
                 if time.monotonic() > deadline:
@@ -314,14 +307,14 @@ class TransactionHold(LeaseState):
                 # Only now, not while queued: a migration waiting for the tick would queue
                 # this read behind it, and the tick waits for this hold to be queued. Read
                 # now, it makes a migration wait for the hold's runs, or sees it committed.
-                version = await self._conn.fetchval(QUERIES["schema_version"])
+                locks = PgLockStore(self._conn)
+                version = await locks.schema_version()
                 self.guard.schema.check(version, self.guard.log, "fence")
-                await self._conn.execute(QUERIES["lock_timeout_default"])
+                await locks.default_lock_timeout()
                 # A token of its own, drawn in its own transaction: if this hold is lost,
                 # the next winner of the lock sees the gap (TransactionGuard._settle).
-                self.fencing_token = await self._conn.fetchval(
-                    QUERIES["fencing_next"], self.guard.loop, self.settings.instance_id
-                )
+                drawn = await locks.draw_token(self.guard.loop, self.settings.instance_id)
+                self.fencing_token = drawn.token
             self.last_proven = time.monotonic()
             self._on_closed = self._closed
             self._conn.add_termination_listener(self._on_closed)
@@ -399,12 +392,10 @@ class TransactionHold(LeaseState):
             self._conn,
             self.transaction_lock,
             self.statement_lock,
-            QUERIES["lock_entry"],
-            key,
-            backend,
+            lambda conn: PgLockStore(conn).lock_entry(key, backend),
         )
         if held is None:
-            held = await self.guard.store.pool.fetchval(QUERIES["lock_entry"], key, backend)
+            held = await PgLockStore(self.guard.store.pool).lock_entry(key, backend)
         return held is True
 
     @asynccontextmanager

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..db.base import ShardScope
+from ..db.lock_store import MemberState, PgLockStore
 from ..db.postgres import FENCED_ISOLATION, PgTx, statement_locked_transaction
-from ..db.sqlfiles import queries
 from ..errors import describe
 from .assignment import Member
 from .base import LeadershipLost, LeaseState
@@ -31,7 +31,6 @@ from .shard_keys import ShardKeys
 if TYPE_CHECKING:
     from ..metrics import Metrics
 
-QUERIES = queries("postgres")
 T = TypeVar("T")
 
 # Why a member looked again, as NOTIFY payloads and the `reason` of shard.acquired.
@@ -159,16 +158,16 @@ class MemberLease(SessionLease):
                         asked = sorted(s.shard for s in self.shards.values() if not s.unlocking)
                     sent = time.monotonic()
                     async with self.statement_lock:
-                        fence = await self.conn.fetchrow(
-                            QUERIES["shard_fence_begin"], self.keys.member_class, self.member_objid,
-                            self.keys.shard_class, asked, self.key,
+                        fence = await PgLockStore(self.conn).fence_shards(
+                            self.keys.member_class, self.member_objid, self.keys.shard_class,
+                            asked, self.key,
                         )  # fmt: skip
-                    if not fence["member"]:
+                    if not fence.member:
                         self._fence_broken("the lock connection is no longer a member")
                     self.last_proven = sent
-                    self.schema.check(fence["schema_version"], self.log, "fence")
-                    self.note_members(fence["members"])
-                    held = set(fence["shards"])
+                    self.schema.check(fence.schema_version, self.log, "fence")
+                    self.note_members(fence.members)
+                    held = set(fence.shards)
                     for shard in shards:
                         if shard.shard not in held:
                             shard.lose("its shard lock is no longer held", lock_may_be_free=True)
@@ -196,11 +195,12 @@ class MemberLease(SessionLease):
         if self.lost.is_set() or self.conn.is_closed():
             return
         args = (self.keys.member_class, self.member_objid, self.keys.shard_class, shards, self.key)
+        locks = PgLockStore(self.conn)
         try:
             async with asyncio.timeout(self.settings.database.connect_timeout):
                 if self.conn.is_in_transaction():
-                    kept = await self.conn.fetchval(QUERIES["shard_fence_release"], *args)
-                    await self.conn.fetchval(QUERIES["shard_fence_retake"], *args)
+                    kept = await locks.release_member_locks(*args)
+                    await locks.retake_member_locks(*args)
                     if not kept:
                         self.log.warning(
                             "leader.lock_restored",
@@ -210,27 +210,27 @@ class MemberLease(SessionLease):
                         )
                     return
                 # SQL ended the transaction (COMMIT): look, do not touch.
-                state = await self.conn.fetchval(
-                    QUERIES["shard_member_state"], self.backend_pid, self.keys.member_class,
-                    self.member_objid, self.keys.shard_class,
+                state = await locks.member_state(
+                    self.backend_pid, self.keys.member_class, self.member_objid,
+                    self.keys.shard_class,
                 )  # fmt: skip
-                if not state["member"] or not set(shards) <= set(state["shards"]):
+                if not state.member or not set(shards) <= set(state.shards):
                     self._fence_broken("SQL in a fenced transaction ended it and the locks")
         except LeadershipLost:
             raise
         except Exception as exc:  # fail closed: unsure is lost
             self._fence_broken(f"could not restore the fence: {describe(exc)}")
 
-    def observe(self, state: dict[str, Any], sent: float) -> bool:
+    def observe(self, state: MemberState, sent: float) -> bool:
         """Take in a heartbeat's answer (asked at ``sent``): shards it no longer lists are
         lost, a different member list asks for a rebalance. Whether we are a member."""
-        held = set(state["shards"])
+        held = set(state.shards)
         for shard in list(self.shards.values()):
             judged = shard.acquired_at < sent and not shard.unlocking
             if judged and shard.shard not in held and not shard.lost.is_set():
                 shard.lose("heartbeat: its shard lock is no longer held", lock_may_be_free=True)
-        self.note_members(state["members"])
-        return bool(state["member"])
+        self.note_members(state.members)
+        return state.member
 
     def note_members(self, pids: Sequence[int]) -> None:
         """The members' pids as the lock manager lists them now: a list other than the

@@ -26,8 +26,8 @@ import asyncpg
 
 from ..aio import wait_any
 from ..db.connect import is_database_error
+from ..db.lock_store import PgLockStore, StaleLeader
 from ..db.postgres import PostgresStore
-from ..db.sqlfiles import queries
 from ..errors import describe
 from ..schema_gate import SchemaNewer
 from .assignment import Member, assign
@@ -36,16 +36,14 @@ from .postgres_session import wait_for_predecessor
 from .shard_keys import ShardKeys, member_name
 from .shard_lease import MemberLease, ShardLease, View
 
-QUERIES = queries("postgres")
-
 # While the assignment is not reached (a shard still held by its old owner, which sends
 # a NOTIFY when it lets go), look again this soon, then less often.
 RETRY_FIRST, RETRY_MAX = 0.2, 5.0
 
 
-def _who(row: Any) -> tuple[Any, ...]:
+def _who(leader: StaleLeader) -> tuple[Any, ...]:
     """A leader row's leadership: its instance, process and lock session."""
-    return (row["instance"], row["pid"], row["backend_pid"])
+    return (leader.instance, leader.pid, leader.backend_pid)
 
 
 class Rebalancer:
@@ -134,18 +132,17 @@ class Rebalancer:
         return not missing and all(s.shard in mine for s in lease.shards.values())
 
     async def _view(self) -> View:
-        rows = await self.store.pool.fetch(
-            QUERIES["shard_members"], self.keys.member_class, self.keys.shard_class,
-            self.keys.count - 1, self.keys.count,
-        )  # fmt: skip
+        rows = await PgLockStore(self.store.pool).lock_holders(
+            self.keys.member_class, self.keys.shard_class, self.keys.count - 1, self.keys.count
+        )
         members = tuple(
             sorted(
-                Member(member_name(row["application_name"] or ""), row["pid"])
+                Member(member_name(row.application_name or ""), row.pid)
                 for row in rows
-                if row["kind"] == "member"
+                if row.kind == "member"
             )
         )
-        holders = {row["shard"]: row["pid"] for row in rows if row["kind"] == "shard"}
+        holders = {row.shard: row.pid for row in rows if row.shard is not None}  # shards
         return View(members, holders)
 
     async def _acquire(self, lease: MemberLease, wanted: list[int], reason: str) -> None:
@@ -158,9 +155,7 @@ class Rebalancer:
         async with lease.transaction_lock, lease.statement_lock:
             if lease.lost.is_set():
                 return
-            taken: list[int] = (
-                await conn.fetchval(QUERIES["shard_try_lock"], self.keys.shard_class, wanted) or []
-            )
+            taken = await PgLockStore(conn).try_lock_shards(self.keys.shard_class, wanted)
             if not taken:
                 return
             try:
@@ -181,7 +176,7 @@ class Rebalancer:
         except BaseException:
             await self._give_back(lease, taken, locked=False)
             raise
-        own = {row["loop"]: waited[_who(row)] for row in stale}
+        own = {leader.loop: waited[_who(leader)] for leader in stale}
         for shard in taken:
             lease.shards[shard] = ShardLease(lease, shard, tokens[shard])
             self.metrics.shard_changes.labels(self.loop, "acquired", reason).inc()
@@ -219,10 +214,11 @@ class Rebalancer:
     async def _unlock(self, lease: MemberLease, shards: list[int]) -> None:
         if lease.lost.is_set():
             return  # the guard drops the connection, and the locks with it
-        await lease.conn.execute(QUERIES["shard_leaders_release"], shards)
-        await lease.conn.fetchval(QUERIES["shard_unlock"], self.keys.shard_class, shards)
+        locks = PgLockStore(lease.conn)
+        await locks.release_shards(shards)
+        await locks.unlock_shards(self.keys.shard_class, shards)
 
-    async def _settle_all(self, stale: list[Any]) -> dict[tuple[Any, ...], dict[str, Any]]:
+    async def _settle_all(self, stale: list[StaleLeader]) -> dict[tuple[Any, ...], dict[str, Any]]:
         """Wait for every leader that did not hand over, at once (after a PostgreSQL
         restart the first member back takes every shard, from every other member: one
         settle time, not one per predecessor); then forget the rows of another layout's
@@ -242,12 +238,9 @@ class Rebalancer:
         for outcome in waits:
             if isinstance(outcome, BaseException):
                 raise outcome
-        other = [row for row in stale if not self._of_this_layout(row["loop"])]
+        other = [leader for leader in stale if not self._of_this_layout(leader.loop)]
         if other:
-            await self.store.pool.execute(
-                QUERIES["leaders_forget"], [row["loop"] for row in other],
-                [row["backend_pid"] for row in other],
-            )  # fmt: skip
+            await PgLockStore(self.store.pool).forget_leaders(other)
         return {who: cast(dict[str, Any], wait) for who, wait in zip(whom, waits, strict=True)}
 
     def _of_this_layout(self, loop: str) -> bool:
@@ -257,7 +250,7 @@ class Rebalancer:
 
     async def _claim(
         self, conn: asyncpg.Connection, shards: list[int]
-    ) -> tuple[dict[int, int], list[Any]]:
+    ) -> tuple[dict[int, int], list[StaleLeader]]:
         """Per shard taken, its token; and the rows of every leader of the loop that did
         not hand over and whose session no longer holds what it led. Not only these
         shards' last leaders: a leader of another layout (the loop unsharded, or another
@@ -265,22 +258,21 @@ class Rebalancer:
         now. (A dead one's sessions are gone in milliseconds: no wait.)"""
         tokens: dict[int, int] = {}
         me = (self.instance, os.getpid())
+        locks = PgLockStore(conn)
         async with conn.transaction():
             stale = [
-                row
-                for row in await conn.fetch(
-                    QUERIES["shard_stale_leaders"], self.loop, self.keys.shard_class
-                )
-                if (row["instance"], row["pid"]) != me
+                leader
+                for leader in await locks.stale_leaders(self.loop, self.keys.shard_class)
+                if (leader.instance, leader.pid) != me
             ]
             for shard in shards:
                 name, key = f"{self.loop}/{shard}", self.keys.lock_key(shard)
-                found = await conn.fetchrow(QUERIES["leader_predecessor"], name, key)
-                self.schema.check(found["schema_version"], self.log, "lock granted")
-                tokens[shard] = await conn.fetchval(QUERIES["fencing_next"], name, self.instance)
-                await conn.execute(
-                    QUERIES["leader_claim"], name, key, self.instance, socket.gethostname(),
-                    os.getpid(), tokens[shard],
+                found = await locks.predecessor(name, key)
+                self.schema.check(found.schema_version, self.log, "lock granted")
+                tokens[shard] = (await locks.draw_token(name, self.instance)).token
+                await locks.claim_leadership(
+                    name, key, instance=self.instance, hostname=socket.gethostname(),
+                    pid=os.getpid(), token=tokens[shard],
                 )  # fmt: skip
         return tokens, stale
 
@@ -317,10 +309,9 @@ class Rebalancer:
         shard.unlocking = True
         async with lease.transaction_lock, lease.statement_lock:
             if not lease.lost.is_set():
-                await lease.conn.execute(QUERIES["shard_leaders_release"], [shard.shard])
-                await lease.conn.fetchval(
-                    QUERIES["shard_unlock"], self.keys.shard_class, [shard.shard]
-                )
+                locks = PgLockStore(lease.conn)
+                await locks.release_shards([shard.shard])
+                await locks.unlock_shards(self.keys.shard_class, [shard.shard])
         del lease.shards[shard.shard]
         self.released(shard, reason, handover=round(time.monotonic() - started, 4))
         self._owned(lease)

@@ -50,8 +50,8 @@ import asyncpg
 
 from ..aio import wait_any
 from ..db.connect import is_database_error
+from ..db.lock_store import PgLockStore
 from ..db.postgres import ask_between_statements, detect_dead_peer
-from ..db.sqlfiles import queries
 from ..errors import describe
 from .assignment import Member
 from .base import Stopping, discard_outcome
@@ -68,8 +68,6 @@ from .shard_rebalance import Rebalancer
 
 if TYPE_CHECKING:
     from ..db.listen import Listener
-
-QUERIES = queries("postgres")
 
 SHARDS_CHANNEL = "scheduler_shards_changed"
 _GATE = 2**31 - 1  # the join gate's key in the shard class (shards are < MAX_SHARDS)
@@ -99,9 +97,9 @@ class ShardedSessionGuard(SessionGuard):
         )
         detect_dead_peer(conn, self.lock.step_down_after)
         try:
-            await conn.execute(self._session_timeouts())
+            await self._limit_session(conn)
             backend_pid = await self._join(conn)
-            since = await conn.fetchval(QUERIES["now"])
+            since = await PgLockStore(conn).now()
         except BaseException:
             conn.terminate()
             raise
@@ -156,31 +154,30 @@ class ShardedSessionGuard(SessionGuard):
         self.metrics.lock_waits.labels(self.loop).inc()
         self.log.info("leader.waiting", key=self.key, shards=keys.count)
         said: str | None = None
+        locks = PgLockStore(conn)
         while True:
             async with conn.transaction():
-                await conn.execute(QUERIES["shard_join_gate"], keys.shard_class, _GATE)
-                layouts = await conn.fetchrow(
-                    QUERIES["shard_layouts"], keys.member_class, keys.count - 1
-                )
-                if layouts["others"]:
+                await locks.join_gate(keys.shard_class, _GATE)
+                layouts = await locks.other_layouts(keys.member_class, keys.count - 1)
+                if layouts.others:
                     why = (
-                        f"replicas running with plugin.shards={layouts['other_count']} share "
+                        f"replicas running with plugin.shards={layouts.other_count} share "
                         "the loop; this one waits until none is left"
                     )
-                elif not await conn.fetchval(QUERIES["shard_join_share"], self.key):
+                elif not await locks.share_loop_key(self.key):
                     why = (
                         "a replica running with plugin.shards=1 leads the plugin loop (or "
                         "waits for its lock); this one waits until none is left"
                     )
                 else:
-                    pid: int = await conn.fetchval(QUERIES["backend_pid"])
+                    pid = await locks.backend_pid()
                     # Never held by anyone else, but by a watch granted the lock of a
                     # dead member whose pid the server has since given to this session.
                     objid = _signed(keys.member_objid(pid))
-                    if await conn.fetchval(QUERIES["shard_join_member"], keys.member_class, objid):
+                    if await locks.take_member_lock(keys.member_class, objid):
                         return pid
                     why = "this session's member lock is held by a watch; trying again"
-                    await conn.execute(QUERIES["shard_join_unshare"], self.key)
+                    await locks.unshare_loop_key(self.key)
             if why != said:
                 said = why
                 self.log.warning(
@@ -195,8 +192,9 @@ class ShardedSessionGuard(SessionGuard):
         if graceful:
             try:
                 async with asyncio.timeout(self.settings.database.connect_timeout):
-                    await lease.conn.execute(QUERIES["shard_leaders_release"], shards)
-                    await lease.conn.execute(QUERIES["shard_leave"])
+                    locks = PgLockStore(lease.conn)
+                    await locks.release_shards(shards)
+                    await locks.leave()
                     handover: dict[str, float] = {}
                     if lease.stopping_since is not None:  # the stop to the unlock, runs too
                         since = time.monotonic() - lease.stopping_since
@@ -219,7 +217,7 @@ class ShardedSessionGuard(SessionGuard):
         """Tell the other members to look again (best effort: the heartbeat and the
         watch find the change anyway)."""
         try:
-            await self.store.pool.execute(QUERIES["shard_notify"], SHARDS_CHANNEL, why)
+            await PgLockStore(self.store.pool).notify_members(SHARDS_CHANNEL, why)
         except Exception as exc:
             if not is_database_error(exc):
                 raise
@@ -240,8 +238,7 @@ class ShardedSessionGuard(SessionGuard):
                 lease.conn,
                 lease.transaction_lock,
                 lease.statement_lock,
-                QUERIES["shard_member_state"],
-                *args,
+                lambda conn: PgLockStore(conn).member_state(*args),
             )
         except (asyncpg.InterfaceError, asyncpg.ConnectionDoesNotExistError):
             if not lease.conn.is_closed():
@@ -249,7 +246,7 @@ class ShardedSessionGuard(SessionGuard):
             lease.lose("lock connection closed", lock_may_be_free=True)
             return False
         if state is None:
-            state = await self.store.pool.fetchval(QUERIES["shard_member_state"], *args)
+            state = await PgLockStore(self.store.pool).member_state(*args)
         return lease.observe(state, sent)
 
     # -- the watch --------------------------------------------------------------------------
@@ -292,12 +289,11 @@ class ShardedSessionGuard(SessionGuard):
         granted: asyncio.Future[Any] | None = None
         try:
             detect_dead_peer(conn, self.lock.step_down_after)
-            await conn.execute(QUERIES["statement_timeout_off"])
+            locks = PgLockStore(conn)
+            await locks.no_statement_timeout()
             objid = _signed(self.keys.member_objid(watched.pid))
             granted = asyncio.ensure_future(
-                conn.execute(
-                    QUERIES["shard_watch"], self.keys.member_class, objid, LOCK_WAIT_SLICE_MS
-                )
+                locks.watch_member(self.keys.member_class, objid, LOCK_WAIT_SLICE_MS)
             )
             changed = asyncio.ensure_future(lease.view_changed.wait())
             try:

@@ -42,11 +42,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import aiosqlite
-
 from ..aio import wait_any
 from ..config.settings import Settings
-from ..db.sqlfiles import queries
+from ..db.lock_store import SqliteLockStore
 from ..db.sqlite import SqliteStore, SqliteTx
 from ..db.sqlite_file import descriptor_identity, path_identity, real_path
 from ..errors import ConfigError, describe
@@ -54,7 +52,6 @@ from ..logs import Logger
 from ..schema_gate import SchemaGate
 from .base import GuardBase, LeaseState, Stopping
 
-QUERIES = queries("sqlite")
 POLL_INTERVAL = 0.05  # local file lock: cheap to try, and takeover should feel instant
 
 # Open-file-description locks: Linux 3.15 and later. None elsewhere.
@@ -118,15 +115,9 @@ class FlockLease(LeaseState):
         async with self.store.write_transaction() as conn:
             # Under the file's write lock, as a migration runs: one that committed first
             # is seen, and none can start until this transaction ends (schema_gate.py).
-            self.schema.check(await _schema_version(conn), self.log, "fence")
+            version = await SqliteLockStore(conn).schema_version()
+            self.schema.check(version, self.log, "fence")
             yield SqliteTx(conn, self.fencing_token)
-
-
-async def _schema_version(conn: aiosqlite.Connection) -> int | None:
-    async with conn.execute(QUERIES["schema_version"]) as cursor:
-        row = await cursor.fetchone()
-    version: int | None = None if row is None else row[0]
-    return version
 
 
 class FlockGuard(GuardBase[SqliteStore]):
@@ -182,17 +173,16 @@ class FlockGuard(GuardBase[SqliteStore]):
         try:
             await self._acquire()
             async with self.store.write_transaction() as conn:
+                locks = SqliteLockStore(conn)
                 # Granted on a schema newer than we know: claim nothing, let the locks go.
-                self.schema.check(await _schema_version(conn), self.log, "lock granted")
+                found = await locks.predecessor(self.loop, self.key)
+                self.schema.check(found.schema_version, self.log, "lock granted")
                 instance = self.settings.instance_id
-                async with conn.execute(QUERIES["fencing_next"], (self.loop, instance)) as cursor:
-                    row = await cursor.fetchone()
-                assert row is not None  # an upsert with RETURNING returns its row
-                token = row[0]
-                await conn.execute(
-                    QUERIES["leader_claim"],
-                    (self.loop, self.key, instance, socket.gethostname(), os.getpid(), token),
-                )
+                token = (await locks.draw_token(self.loop, instance)).token
+                await locks.claim_leadership(
+                    self.loop, self.key, instance=instance, hostname=socket.gethostname(),
+                    pid=os.getpid(), token=token,
+                )  # fmt: skip
             lease = FlockLease(self.store, token, self.settings, self.log, self.schema)
             self.metrics.leader.labels(self.loop).set(1)
             self.metrics.leadership_changes.labels(self.loop, "acquired").inc()
@@ -208,9 +198,10 @@ class FlockGuard(GuardBase[SqliteStore]):
                 await asyncio.wait({heartbeat})
                 self.metrics.leader.labels(self.loop).set(0)
                 try:
+                    instance, pid = self._identity
                     async with self.store.write_transaction() as conn:
-                        await conn.execute(
-                            QUERIES["leader_release"], (self.loop, self.key, *self._identity)
+                        await SqliteLockStore(conn).release_leadership(
+                            self.loop, self.key, instance=instance, pid=pid
                         )
                 except Exception as exc:
                     # The row is only what `status` shows; the locks go below all the same.
@@ -334,9 +325,10 @@ class FlockGuard(GuardBase[SqliteStore]):
                 return
             self._keep_lock_file()
             try:
+                instance, pid = self._identity
                 async with self.store.write_transaction() as conn:
-                    await conn.execute(
-                        QUERIES["leader_heartbeat"], (self.loop, self.key, *self._identity)
+                    await SqliteLockStore(conn).heartbeat(
+                        self.loop, self.key, instance=instance, pid=pid
                     )
             except Exception as exc:
                 self.metrics.heartbeat_failures.labels(self.loop).inc()

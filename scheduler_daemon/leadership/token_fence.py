@@ -41,6 +41,7 @@ import asyncpg
 
 from ..config.settings import Settings
 from ..config.values import DEFAULT_PLUGIN_KEY, DEFAULT_PUBLISH_KEY
+from ..db.lock_store import PgLockStore
 from ..db.postgres import PgTx
 from ..db.sqlfiles import formatted, queries
 from ..errors import describe
@@ -280,7 +281,7 @@ class TokenFence:
                 continue  # a statement runs: the transaction is not idle
             async with statement_lock:
                 try:
-                    await conn.fetchval(QUERIES["now"])
+                    await PgLockStore(conn).now()
                 except asyncpg.PostgresError:
                     return  # the transaction failed: its owner rolls it back
 
