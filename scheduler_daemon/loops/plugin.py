@@ -165,7 +165,12 @@ class PluginWork:
                 # That shard was lost since the claim committed (the member goes on): its
                 # runs stay `running` for the shard's next owner to close, never run here.
                 tick.log.warning("shard.lost_before_start", runs=len(group))
-        return wake
+        if wake is None:
+            return None
+        # Counted from the read, which the claim and the commit followed: the runner
+        # sleeps from now, so what they took is already spent (one round trip or more,
+        # every tick, on a distant database).
+        return max(0.0, wake - (time.monotonic() - clock.local))
 
     def _scope(self, lease: Lease) -> TickScope | None:
         """How this tick fences its work, and what it closes (None: sharded, no shard)."""
@@ -203,8 +208,11 @@ class PluginWork:
         # Schedules in flight are read too (their slot is skipped as overlapping), and
         # those whose result is not written yet (they wait for it).
         limit = max(1, self._free() + self.runs.in_flight())
+        asked = time.monotonic()
         batch = await store.due(limit)
-        clock = Clock(batch.now, time.monotonic())
+        # The database read its clock about halfway through the round trip: that moment,
+        # on ours, is what its now maps to (half a round trip of error at most, not one).
+        clock = Clock(batch.now, (asked + time.monotonic()) / 2)
         # The orphans closed above free their schedules in this very transaction: planned
         # as held (waiting for a result that never comes), they would wait for the
         # longest sleep instead of running now.
