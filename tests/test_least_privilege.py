@@ -618,11 +618,12 @@ def test_replicas_run_as_a_runtime_role_with_only_the_documented_grants(
     assert refused[0]["status"] == "failed"
     assert "permission denied for table audit" in refused[0]["last_error"]
     # Each run of the task without grants failed and says why (a killed leader's run is
-    # abandoned); the other tasks went on.
+    # abandoned; a slot that fell while the frozen leader's run was in flight is
+    # skipped_overlap: seen once in a helper's run); the other tasks went on.
     denied = fetch(
         split.owner_url,
         "SELECT status, error FROM scheduler_plugin_runs WHERE name = 'denied' "
-        "AND status NOT IN ('running', 'abandoned')",
+        "AND status NOT IN ('running', 'abandoned', 'skipped_overlap')",
     )
     assert denied, "the task without grants has run"
     for run in denied:
