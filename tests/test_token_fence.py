@@ -70,6 +70,18 @@ async def waiting_on_the_fencing_row(pool: asyncpg.Pool, pid: int) -> bool:
     )
 
 
+async def fence_waiting(pool: asyncpg.Pool) -> None:
+    """Until one fenced transaction's first statement waits on a lock (the draw's row)."""
+    await until(
+        lambda: pool.fetchval(
+            "SELECT count(*) = 1 FROM pg_stat_activity "
+            "WHERE wait_event_type = 'Lock' AND query LIKE '%scheduler_fence(%'"
+        ),
+        "the old leader's fence to wait for the draw",
+        10,
+    )
+
+
 async def writes(pool: asyncpg.Pool) -> list[tuple[str, int]]:
     rows = await pool.fetch("SELECT who, n FROM fenced_writes ORDER BY who, n")
     return [(row["who"], row["n"]) for row in rows]
@@ -113,14 +125,7 @@ async def test_an_old_transaction_that_begins_during_the_draw_fails_once_it_comm
         await successor.execute("BEGIN")
         await successor.fetchval(DRAW, "plugin", "new")
         beginning = asyncio.ensure_future(old.write(1))
-        await until(
-            lambda: pool.fetchval(
-                "SELECT count(*) = 1 FROM pg_stat_activity "
-                "WHERE wait_event_type = 'Lock' AND query LIKE '%scheduler_fence(%'"
-            ),
-            "the old leader's fence to wait for the draw",
-            10,
-        )
+        await fence_waiting(pool)
         await successor.execute("COMMIT")
         with pytest.raises(LeadershipLost):
             await asyncio.wait_for(beginning, 10)
@@ -140,14 +145,7 @@ async def test_a_successor_that_rolled_its_draw_back_leaves_the_old_token_valid(
         await successor.execute("BEGIN")
         await successor.fetchval(DRAW, "plugin", "new")
         beginning = asyncio.ensure_future(old.write(1))
-        await until(
-            lambda: pool.fetchval(
-                "SELECT count(*) = 1 FROM pg_stat_activity "
-                "WHERE wait_event_type = 'Lock' AND query LIKE '%scheduler_fence(%'"
-            ),
-            "the old leader's fence to wait for the draw",
-            10,
-        )
+        await fence_waiting(pool)
         await successor.execute("ROLLBACK")
         await asyncio.wait_for(beginning, 10)
         assert old.lost == []
