@@ -30,10 +30,11 @@ from . import db
 from .aio import unless_set
 from .config.settings import Settings
 from .db.connect import connect, within_startup_budget
-from .db.listen import Listener
-from .errors import EXIT_OK, EXIT_SOFTWARE, ConfigError, SchedulerError, describe
+from .db.listen import Listener, listener_for
+from .db.pooler import refuse_unsafe_locking
+from .db.privileges import required_grants
+from .errors import EXIT_OK, EXIT_SOFTWARE, SchedulerError, describe
 from .leadership import Guard, make_guard
-from .leadership.pooler import detect_transaction_pooler
 from .logs import Logger
 from .loops.base import LoopRunner, LoopWork
 from .loops.plugin import PluginWork
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 LoopName = Literal["publish", "plugin"]
 EXIT_FORCED = 130  # a second signal cut the graceful stop short
 # The oldest server session mode runs on: the first with idle_session_timeout.
-SESSION_MODE_SERVER = (14, 0)
 
 T = TypeVar("T")
 
@@ -120,12 +120,11 @@ class Daemon:
     def _listener(self, store: db.Store, stack: AsyncExitStack) -> Listener | None:
         """The replica's LISTEN connection, shared by the loops it leads (opened when one
         starts leading): PostgreSQL in session mode only (see db/listen.py)."""
-        from .db.postgres import PostgresStore
-
-        if not isinstance(store, PostgresStore) or self.settings.lock.mode != "session":
+        if self.settings.lock.mode != "session":
             return None
-        listener = Listener(store, self.log)
-        stack.callback(listener.close)
+        listener = listener_for(store, self.log)
+        if listener is not None:
+            stack.callback(listener.close)
         return listener
 
     async def _start_workers(self, stack: AsyncExitStack) -> None:
@@ -181,7 +180,7 @@ class Daemon:
         """The schema up to date on a connection that can hold our locks."""
         # Before anything else talks to it: behind a transaction pooler even the
         # migration could fail in confusing ways.
-        await self._refuse_unsafe_lock_mode(store)
+        await refuse_unsafe_locking(store)
         self._starting("migrating")
         # The database may still be settling (a container's init restarts it once).
         applied = await within_startup_budget(
@@ -313,34 +312,8 @@ class Daemon:
             self.settings.lock.keys.publish if name == "publish" else self.settings.lock.keys.plugin
         )
 
-    async def _refuse_unsafe_lock_mode(self, store: db.Store) -> None:
-        from .db.postgres import PostgresStore
-
-        if not isinstance(store, PostgresStore) or self.settings.lock.mode != "session":
-            return
-        version = await store.server_version()
-        if version < SESSION_MODE_SERVER:
-            raise ConfigError(
-                f"lock.mode: 'session' needs PostgreSQL {SESSION_MODE_SERVER[0]} or later "
-                f"(idle_session_timeout is what ends a stalled leader's session); the "
-                f"server is {'.'.join(map(str, version))}. Upgrade it, or set "
-                "SCHEDULER_LOCK__MODE=transaction."
-            )
-        reason = await detect_transaction_pooler(store)
-        if reason is not None:
-            raise ConfigError(
-                "lock.mode: 'session' needs a direct or session-pooled connection, but this "
-                f"one looks like a transaction pooler (PgBouncer pool_mode=transaction?): "
-                f"{reason}. Set SCHEDULER_LOCK__MODE=transaction."
-            )
-
     async def _refuse_missing_grants(self, store: db.Store) -> None:
         """Exit 78 now, naming every missing grant, rather than lead never (db/privileges.py)."""
-        from .db.postgres import PostgresStore
-        from .db.privileges import refuse_missing_grants, required_grants
-
-        if not isinstance(store, PostgresStore):
-            return
         need = required_grants(
             self.enabled_loops(),
             session=self.settings.lock.mode == "session",
@@ -348,8 +321,7 @@ class Daemon:
             purge=any(task.name == "purge_publications" for task in self._tasks),
             purge_runs=any(task.name == "purge_runs" for task in self._tasks),
         )
-        async with store.pool.acquire() as conn:
-            await refuse_missing_grants(conn, need, f"database {self.settings.database_url}")
+        await store.refuse_missing_grants(need)
 
     async def _until_stopped(self, startup: Coroutine[Any, Any, T]) -> T | None:
         """Await a startup step unless a stop is requested first (then return None)."""

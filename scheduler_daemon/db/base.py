@@ -17,9 +17,12 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ..config.url import Backend, DatabaseUrl
+
+if TYPE_CHECKING:
+    from .privileges import Grants
 
 PublicationStatus = Literal["scheduled", "published", "cancelled", "failed"]
 
@@ -318,6 +321,11 @@ class Store(Protocol):
 
     @property
     def url(self) -> DatabaseUrl: ...
+
+    async def refuse_missing_grants(self, need: Grants) -> None:
+        """Raise :class:`~scheduler_daemon.errors.PrivilegeRefused` naming, as GRANT
+        statements, what the role lacks of ``need`` (db/privileges.py)."""
+        ...
 
     async def migrate(self) -> list[AppliedMigration]:
         """Bring the schema up to date, serialised against concurrent migrators.

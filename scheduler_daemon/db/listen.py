@@ -23,6 +23,7 @@ import asyncpg
 
 from ..errors import describe, explain_timeouts
 from ..logs import Logger
+from .base import Store
 from .postgres import PostgresStore, detect_dead_peer
 
 # After a failed LISTEN connection, how long before trying again; meanwhile the loops tick
@@ -162,3 +163,9 @@ class Listener:
         """At shutdown: drop the connection."""
         self._subscriptions.clear()
         self._close()
+
+
+def listener_for(store: Store, log: Logger) -> Listener | None:
+    """The replica's LISTEN connection on ``store`` (it connects when first asked to
+    listen); None where the backend has no NOTIFY (SQLite: its ``commit_watch``)."""
+    return Listener(store, log) if isinstance(store, PostgresStore) else None

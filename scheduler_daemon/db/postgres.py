@@ -39,6 +39,7 @@ from .base import (
     TableStats,
 )
 from .postgres_migrate import apply_migrations
+from .privileges import Grants, refuse_missing_grants
 from .sqlfiles import formatted, positional, queries
 
 QUERIES = queries("postgres")
@@ -314,6 +315,10 @@ class PostgresStore:
         async with self.pool.acquire() as conn:
             version = conn.get_server_version()
         return (version.major, version.minor)
+
+    async def refuse_missing_grants(self, need: Grants) -> None:
+        async with self.pool.acquire() as conn:
+            await refuse_missing_grants(conn, need, f"database {self.url}")
 
     async def migrate(self) -> list[AppliedMigration]:
         conn = await self.connect_dedicated("migrate")

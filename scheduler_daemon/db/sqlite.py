@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import quote
 
 import aiosqlite
@@ -45,6 +45,9 @@ from .base import (
 )
 from .common import to_db_time
 from .sqlfiles import formatted, migrations, queries
+
+if TYPE_CHECKING:
+    from .privileges import Grants
 from .sqlite_file import check_database_file, real_path
 
 QUERIES = queries("sqlite")
@@ -223,6 +226,9 @@ class SqliteStore:
     @property
     def commit_watch(self) -> CommitWatch:
         return self
+
+    async def refuse_missing_grants(self, need: Grants) -> None:
+        pass  # no roles: whoever can open the file can do everything
 
     @property
     def path(self) -> Path:

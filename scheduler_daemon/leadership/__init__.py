@@ -17,12 +17,13 @@ from ..db.base import Store
 from ..logs import Logger
 from ..metrics import Metrics
 from ..schema_gate import SchemaGate
-from .base import Guard, LeadershipLost, Lease, NotLeader, PendingHold, Stopping
+from .base import ClaimScope, Guard, LeadershipLost, Lease, NotLeader, PendingHold, Stopping
 
 if TYPE_CHECKING:
     from ..db.listen import Listener
 
 __all__ = [
+    "ClaimScope",
     "Guard",
     "LeadershipLost",
     "Lease",

@@ -25,8 +25,9 @@ import asyncio
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
@@ -145,6 +146,31 @@ class Lease(Protocol):
         inside ``tx``; enter the hold after ``tx`` committed, or ``discard()`` it if
         ``tx`` failed."""
         ...
+
+    def claim_scope(self, *, self_fenced: bool) -> ClaimScope:
+        """What one tick of this lease claims for, and the fence of that tick's
+        bookkeeping: statements that fence themselves if ``self_fenced`` and the guard has
+        them, else one fenced transaction (``only_ours``). A loop's lease claims for the
+        whole loop; a sharded member for the shards it holds now, one transaction for
+        all of them, each claimed run under its shard's lease."""
+        ...
+
+    def wake_on_gain(self, wake: Callable[[], None]) -> None:
+        """Have ``wake`` called when this lease comes to lead more than it did (a member
+        takes a shard), so that the loop claims for it at once, not at its next planned
+        tick. A loop's lease leads all of the loop from the start: it never calls it."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimScope:
+    """What one tick claims for (:meth:`Lease.claim_scope`)."""
+
+    fence: AbstractAsyncContextManager[Tx]
+    self_fenced: bool  # statements that fence themselves, not one transaction
+    # The lease each claimed run starts under, by the shard of its schedule (None: the
+    # loop is not sharded). Empty: a member that holds no shard yet.
+    leases: Mapping[int | None, Lease]
 
 
 class PendingHold(Protocol):
@@ -414,6 +440,13 @@ class LeaseState:
 
     async def hold_after(self, tx: Tx) -> PendingHold:
         return _AlreadyHeld(self)
+
+    def claim_scope(self, *, self_fenced: bool) -> ClaimScope:
+        fence = self.statements() if self_fenced else self.transaction(only_ours=True)
+        return ClaimScope(fence, self_fenced, {None: self})
+
+    def wake_on_gain(self, wake: Callable[[], None]) -> None:
+        pass  # it leads the whole loop from the start
 
     async def stop_work(
         self, unblock: Callable[[], None] | None = None, grace: float | None = None

@@ -24,7 +24,7 @@ from ..db.lock_store import MemberState, PgLockStore
 from ..db.postgres import FENCED_ISOLATION, PgTx, statement_locked_transaction
 from ..errors import describe
 from .assignment import Member
-from .base import LeadershipLost, LeaseState
+from .base import ClaimScope, LeadershipLost, Lease, LeaseState
 from .postgres_session import SessionLease
 from .shard_keys import ShardKeys
 
@@ -56,7 +56,6 @@ class ShardLease(LeaseState):
         self.acquired_at = time.monotonic()
         self.draining = False  # being handed over: claim nothing more
         self.unlocking = False  # its lock is being let go: the heartbeat must not judge it
-        self.needs_abandon = True  # runs its predecessor left `running` are closed first
 
     def _report(self, reason: str, lock_may_be_free: bool) -> None:
         self.member.shard_lost(self, reason, lock_may_be_free)
@@ -94,8 +93,8 @@ class MemberLease(SessionLease):
         self.rebalance_reason: str | None = None  # what asked, when it says (the watch)
         self.stopping_since: float | None = None  # when the daemon's stop reached it
         self.view_changed = asyncio.Event()  # for the watch: its member may have changed
-        # The plugin loop's wake-up (it sets this on its first tick): a shard taken
-        # is claimed for at once, not at the loop's next planned tick.
+        # The plugin loop's wake-up (``wake_on_gain``): a shard taken is claimed for at
+        # once, not at the loop's next planned tick.
         self.wake_loop: Callable[[], None] = lambda: None
         # The guard's hand-over of a shard (set by the guard once the lease exists).
         self.hand_over: Callable[[ShardLease, str], Coroutine[Any, Any, None]] | None = None
@@ -110,6 +109,16 @@ class MemberLease(SessionLease):
     def active_shards(self) -> list[ShardLease]:
         """The shards a tick may claim for: held, not lost, not being handed over."""
         return [s for s in self.shards.values() if not s.draining and not s.lost.is_set()]
+
+    def claim_scope(self, *, self_fenced: bool) -> ClaimScope:
+        # A member's statements do not fence themselves: one transaction on the lock
+        # connection fences all its active shards at once.
+        shards = self.active_shards()
+        leases: dict[int | None, Lease] = {s.shard: s for s in shards}
+        return ClaimScope(self.fenced(shards, only_ours=True), False, leases)
+
+    def wake_on_gain(self, wake: Callable[[], None]) -> None:
+        self.wake_loop = wake
 
     def lose(self, reason: str, *, lock_may_be_free: bool) -> bool:
         first = super().lose(reason, lock_may_be_free=lock_may_be_free)

@@ -39,13 +39,13 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from ..config.settings import Settings
 from ..db.base import Tx
 from ..db.plugin_store import Claim, Declaration, DueBatch, DueSchedule, PluginStore
 from ..errors import describe
-from ..leadership import LeadershipLost, Lease, PendingHold
+from ..leadership import ClaimScope, LeadershipLost, Lease, PendingHold
 from ..logs import Logger
 from ..metrics import Metrics
 from ..plugins.schedule import plan
@@ -56,7 +56,6 @@ from .plugin_runs import Clock, PluginRuns, Start
 
 if TYPE_CHECKING:
     from ..db.listen import Listener
-    from ..leadership.shard_lease import MemberLease, ShardLease
 
 ABANDONED = "abandoned: the replica running it lost the lock before it finished"
 # Sent by the scheduler_plugin_tasks triggers (migrations 0004, 0006) when a schedule
@@ -86,15 +85,21 @@ class TickPlan:
 
 @dataclass(slots=True)
 class TickScope:
-    """How one tick fences its work (``fence``: a transaction, or statements that fence
-    themselves), and what it closes once committed."""
+    """What one tick claims for and how it fences that (``claim``), and what it closes
+    first: its predecessors' runs where it takes over the loop or a shard (``fresh``)."""
 
-    fence: AbstractAsyncContextManager[Tx]
+    claim: ClaimScope
     taking_over: bool
     orphans: dict[int, str]  # runs whose results will never be written, by id
-    self_fenced: bool = False
-    shards: list[ShardLease] = field(default_factory=list)
-    new_shards: list[ShardLease] = field(default_factory=list)  # their runs to close
+    fresh: list[Lease]  # the leases in ``claim`` no committed tick claimed for yet
+
+    @property
+    def fence(self) -> AbstractAsyncContextManager[Tx]:
+        return self.claim.fence
+
+    @property
+    def self_fenced(self) -> bool:
+        return self.claim.self_fenced
 
 
 class PluginWork:
@@ -126,6 +131,9 @@ class PluginWork:
         # The leadership's first tick takes over: reconciles the declared tasks and closes
         # the runs a predecessor left `running`. Until one has committed, every tick tries.
         self._taken_over = False
+        # The leases (the loop's, or each shard's) the last committed tick claimed for:
+        # their predecessors' runs are closed. A shard taken since is not among them.
+        self._caught_up: set[Lease] = set()
         # A declared task another deployment declares was found by a tick that had no
         # transaction to reconcile in: the next tick has one.
         self._declare_due = False
@@ -149,7 +157,7 @@ class PluginWork:
         try:
             async with scope.fence as tx:
                 wake, clock, starts = await self._claim_due(PluginStore(tx), scope, tick.log)
-                for lease, group in self._by_lease(tick.lease, scope.shards, starts):
+                for lease, group in self._by_lease(scope.claim.leases, starts):
                     holds.append((lease, await lease.hold_after(tx), group))
         except BaseException:
             for _, hold, _ in holds:
@@ -173,23 +181,19 @@ class PluginWork:
         return max(0.0, wake - (time.monotonic() - clock.local))
 
     def _scope(self, lease: Lease) -> TickScope | None:
-        """How this tick fences its work, and what it closes (None: sharded, no shard)."""
+        """What this tick claims for, how it fences that, and what it closes (None: a
+        sharded member that holds no shard yet)."""
         taking_over, orphans = not self._taken_over, self.runs.orphaned()
-        if self.sharded:
-            member = cast("MemberLease", lease)
-            member.wake_loop = self.wake  # a shard taken is claimed for at once
-            shards = member.active_shards()
-            if not shards and not taking_over:
-                return None
-            fence = member.fenced(shards, only_ours=True)
-            new_shards = [s for s in shards if s.needs_abandon]
-            return TickScope(fence, taking_over, orphans, shards=shards, new_shards=new_shards)
-        if taking_over or not self.sticky or orphans or self._declare_due:
-            return TickScope(lease.transaction(only_ours=True), taking_over, orphans)
         # The common tick is two statements: the read, then the claim, which fences itself
         # (one round trip each, no transaction around them: the claim is a compare-and-set
-        # on what the read saw, as it is in a transaction).
-        return TickScope(lease.statements(), taking_over, orphans, self_fenced=True)
+        # on what the read saw, as it is in a transaction). Closing and reconciling take
+        # several statements: a transaction.
+        closing = taking_over or not self.sticky or orphans or self._declare_due
+        claim = lease.claim_scope(self_fenced=not closing)
+        if not claim.leases and not taking_over:
+            return None  # a shard it takes wakes the loop (wake_on_gain)
+        fresh = [each for each in claim.leases.values() if each not in self._caught_up]
+        return TickScope(claim, taking_over, orphans, fresh)
 
     async def _claim_due(
         self, store: PluginStore, scope: TickScope, log: Logger
@@ -203,7 +207,7 @@ class PluginWork:
         # transaction mode every tick that wins. (Had their replica lost its hold to the
         # server and still be stopping them, the guard waited for it before this tick:
         # see the guards' settle.)
-        if scope.taking_over or not self.sticky or scope.orphans or scope.new_shards:
+        if scope.taking_over or not self.sticky or scope.orphans or scope.fresh:
             await self._abandon(store, log, scope.orphans)
         # Schedules in flight are read too (their slot is skipped as overlapping), and
         # those whose result is not written yet (they wait for it).
@@ -252,26 +256,19 @@ class PluginWork:
         self._taken_over = True  # reconciled, and its predecessors' runs closed
         if not scope.self_fenced:
             self._declare_due = False
-        for shard in scope.new_shards:
-            shard.needs_abandon = False
+        self._caught_up = set(scope.claim.leases.values())
         self.runs.closed(scope.orphans)
 
     @staticmethod
     def _by_lease(
-        lease: Lease, shards: list[ShardLease], starts: list[Start]
+        leases: Mapping[int | None, Lease], starts: list[Start]
     ) -> list[tuple[Lease, list[Start]]]:
         """The runs to start, by the lease that runs them: the tick's, or (sharded) each
-        one's shard's."""
-        if not starts:
-            return []
-        if not shards:
-            return [(lease, starts)]
-        by_shard = {shard.shard: shard for shard in shards}
-        groups: dict[int, list[Start]] = {}
+        one's shard's (a sharded tick's rows say their shard; unsharded, None)."""
+        groups: dict[int | None, list[Start]] = {}
         for start in starts:
-            assert start.shard is not None  # a sharded tick's rows say their shard
             groups.setdefault(start.shard, []).append(start)
-        return [(by_shard[shard], group) for shard, group in groups.items()]
+        return [(leases[shard], group) for shard, group in groups.items()]
 
     def _free(self) -> int:
         return self.runs.free()[0]
@@ -442,6 +439,8 @@ class PluginWork:
 
     async def leadership_started(self, lease: Lease) -> None:
         self._taken_over = False
+        self._caught_up = set()
+        lease.wake_on_gain(self.wake)  # a shard taken is claimed for at once
         if self.listener is not None:
             await self.listener.subscribe(WAKE_CHANNEL, self._on_tasks_changed)
 
@@ -451,6 +450,7 @@ class PluginWork:
         meanwhile cancels them at once). Either way the guard then stops whatever is left,
         before it lets the lock go."""
         self._taken_over = False
+        self._caught_up = set()
         self.metrics.plugin_lag.set(0)  # a standby reports no lag: only the leader knows
         if self.listener is not None:
             self.listener.unsubscribe(WAKE_CHANNEL)
