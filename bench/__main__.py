@@ -21,6 +21,7 @@ BENCHMARKS = [
     "latency",
     "idle",
     "peers",
+    "latency_peers",  # after latency (reads its latency.json) and peers (its venvs)
     "growth",
     "scale",
     "shards",

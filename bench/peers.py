@@ -1481,29 +1481,43 @@ class ScaleArena:
             "PEER_CONTESTANT": self.contestant.name,
         }
 
-    def peer_command(self, *arguments: str) -> list[str]:
+    def peer_command(self, *arguments: str, dsn: str | None = None) -> list[str]:
         assert self.contestant.script is not None
-        return [self.python, str(HELPERS / self.contestant.script), self.dsn, *arguments]
+        return [self.python, str(HELPERS / self.contestant.script), dsn or self.dsn, *arguments]
+
+    # Where process n runs and the DSN it connects with: here, this host as it is;
+    # bench/latency_peers.py puts each process in a network namespace of its own.
+    def prefix(self, n: int) -> list[str]:
+        return []
+
+    def process_dsn(self, n: int) -> str:
+        return self.dsn
 
     def peer_environment(self) -> dict[str, str]:
         outside = {k: v for k, v in os.environ.items() if not k.startswith("SCHEDULER_")}
         return outside | self.environment()
 
     def spawn(self) -> subprocess.Popen[bytes]:
-        workdir = self.workdir / f"p{len(self.processes) + 1}"
+        n = len(self.processes)
+        workdir = self.workdir / f"p{n + 1}"
         workdir.mkdir(parents=True, exist_ok=True)
         if self.contestant.script is None:
             config = self.workdir / "scale.toml"
             env = self.environment() | {"SCHEDULER_CONFIG": str(config)}
-            process = start_daemon(self.dsn, workdir, only="plugin", env=env)
+            process = start_daemon(
+                self.process_dsn(n), workdir, only="plugin", env=env, prefix=self.prefix(n)
+            )
         else:
             name = self.contestant.name
             arguments = (
                 ["--run"] if name.startswith("apscheduler") else ["--count", str(self.count)]
             )
             with (workdir / "peer.log").open("ab") as log:
+                command = self.peer_command(
+                    *arguments, *self.contestant.options, dsn=self.process_dsn(n)
+                )
                 process = subprocess.Popen(
-                    self.peer_command(*arguments, *self.contestant.options),
+                    [*self.prefix(n), *command],
                     env=self.peer_environment(),
                     cwd=workdir,
                     stdout=subprocess.DEVNULL,
@@ -1710,6 +1724,18 @@ def lasting_cpu(before: dict[int, float]) -> tuple[list[int], float]:
     return kept, sum(spent[pid] for pid in kept)
 
 
+def scale_window(t0: float, ready_at: float, periods: int) -> tuple[int, float, float]:
+    """The measured window: the index of its first slot (slot k of a schedule is at
+    T0 + offset + k periods), its start and its end, `periods` periods later.
+
+    At least one whole period between ready and the window: start-up catch-up (a first
+    slot that passed during the adds, procrastinate's deferral of each schedule's
+    previous slot) stays out of it."""
+    first = max(1, math.ceil((ready_at - t0) / SCALE_PERIOD) + 1)
+    w0 = t0 + first * SCALE_PERIOD
+    return first, w0, w0 + periods * SCALE_PERIOD
+
+
 async def scale_trial(admin: str, arena: ScaleArena, sizes: ScaleSizes) -> dict[str, Any]:
     datname = arena.dsn.rsplit("/", 1)[1]
     arena.runs_dir.mkdir(parents=True, exist_ok=True)
@@ -1722,12 +1748,7 @@ async def scale_trial(admin: str, arena: ScaleArena, sizes: ScaleSizes) -> dict[
         await scale_ready(arena, sizes.ready_within)
         ready_at = time.time()
         startup_s = time.monotonic() - began
-        # At least one whole period between ready and the window: start-up catch-up (a
-        # first slot that passed during the adds, procrastinate's deferral of each
-        # schedule's previous slot) stays out of it.
-        first = max(1, math.ceil((ready_at - t0) / SCALE_PERIOD) + 1)
-        w0 = t0 + first * SCALE_PERIOD
-        w1 = w0 + sizes.periods * SCALE_PERIOD
+        first, w0, w1 = scale_window(t0, ready_at, sizes.periods)
         await until(w0)
         pids = [pid for p in arena.live() for pid in tree(p.pid)]
         backends = await database_backends(admin, datname)
@@ -1769,6 +1790,15 @@ async def scale_trial(admin: str, arena: ScaleArena, sizes: ScaleSizes) -> dict[
     return result
 
 
+async def scale_database(admin: str, contestant: ScaleContestant, database: str) -> str:
+    """A fresh, empty database: ours migrated, a peer's left to create its own schema."""
+    if contestant.script is None:
+        return await fresh_database(admin, database)
+    await drop_database(admin, database, grace=0)
+    await create_database(admin, database)
+    return admin.rsplit("/", 1)[0] + f"/{database}"
+
+
 async def scale_bench(
     admin: str, work: Path, sizes: ScaleSizes, pythons: dict[str, str], names: Sequence[str]
 ) -> list[dict[str, Any]]:
@@ -1779,12 +1809,7 @@ async def scale_bench(
             if contestant.name not in names:
                 continue
             database = SCALE_DB.format(contestant.name.replace("-", "_"))
-            if contestant.script is None:
-                dsn = await fresh_database(admin, database)
-            else:
-                await drop_database(admin, database, grace=0)
-                await create_database(admin, database)
-                dsn = admin.rsplit("/", 1)[0] + f"/{database}"
+            dsn = await scale_database(admin, contestant, database)
             python = pythons[contestant.venv] if contestant.venv else sys.executable
             arena = ScaleArena(
                 contestant, count, dsn, work / f"scale-{count}-{contestant.name}", python
