@@ -118,8 +118,8 @@ class Daemon:
         return work, self.settings.plugin.interval
 
     def _listener(self, store: db.Store, stack: AsyncExitStack) -> Listener | None:
-        """The replica's LISTEN connection, shared by the loops it leads (opened when one
-        starts leading): PostgreSQL in session mode only (see db/listen.py)."""
+        """The replica's LISTEN connection, shared by the loops it leads (held open from
+        the start, a standby's too): PostgreSQL in session mode only (see db/listen.py)."""
         if self.settings.lock.mode != "session":
             return None
         listener = listener_for(store, self.log)
@@ -226,6 +226,8 @@ class Daemon:
 
             runners = {}
             listener = self._listener(store, stack)
+            if listener is not None:
+                await listener.open()  # a standby's too: taking over then costs a LISTEN
             for name in self.enabled_loops():
                 self.metrics.prime_loop(name)
                 if name == "plugin":

@@ -265,3 +265,52 @@ async def test_session_mode_refuses_a_server_without_idle_session_timeout(
     )
     transaction = Settings(database_url=pg_url, lock={"mode": "transaction"})  # type: ignore[arg-type]
     assert await Daemon(transaction, get_logger()).preflight() is not None
+
+
+async def test_an_opened_listener_is_kept_with_no_channel_and_listens_on_it_when_asked(
+    pg_url: str,
+) -> None:
+    """The daemon opens its listener at start (db/listen.py): a standby holds the
+    connection, idle, and when it takes over, subscribing LISTENs on that same connection
+    (no new connection's setup in the takeover); it stays open when the leader stops
+    leading, and goes at shutdown."""
+    from scheduler_daemon.config.settings import Settings
+    from scheduler_daemon.db.connect import open_store
+    from scheduler_daemon.db.listen import Listener
+    from scheduler_daemon.db.postgres import PostgresStore
+    from scheduler_daemon.logs import get_logger
+
+    name = "scheduler-daemon/warm-1/listen"
+    settings = Settings(database_url=pg_url, instance_id="warm-1")  # type: ignore[arg-type]
+    store = await open_store(settings)
+    assert isinstance(store, PostgresStore)
+    listener = Listener(store, get_logger())
+    try:
+        await listener.open()
+        assert listener.listening
+        pids = await afetch(
+            pg_url, f"SELECT pid FROM pg_stat_activity WHERE application_name = '{name}'"
+        )
+        assert len(pids) == 1, "one connection, open before anything subscribed"
+        heard: list[str] = []
+        await listener.subscribe("warm_channel", heard.append)
+        again = await afetch(
+            pg_url, f"SELECT pid FROM pg_stat_activity WHERE application_name = '{name}'"
+        )
+        assert again == pids, "the subscription LISTENs on the connection already open"
+        await store.pool.execute("NOTIFY warm_channel, 'due'")
+        deadline = time.monotonic() + 10
+        while "due" not in heard:
+            assert time.monotonic() < deadline, f"no notification heard: {heard}"
+            await asyncio.sleep(0.02)
+        listener.unsubscribe("warm_channel")  # stepped down: a standby again
+        assert listener.listening
+        assert await _backends(pg_url, name) == 1
+        listener.close()
+        deadline = time.monotonic() + 10
+        while await _backends(pg_url, name):
+            assert time.monotonic() < deadline, "the connection outlived close()"
+            await asyncio.sleep(0.05)
+    finally:
+        listener.close()
+        await store.close()
