@@ -70,7 +70,7 @@ chaos: $(STAMP)
 	    CHAOS_SHARDS=$(SHARDS) CHAOS_RTT_MS=$(RTT_MS) \
 	    $(BIN)/pytest -q -s --run-long tests/chaos/test_chaos.py::test_chaos_soak $(PYTEST_ARGS)
 
-# Full run (about two and a half hours here) and a smoke run of every benchmark (a few minutes); both
+# Full run (about three hours here) and a smoke run of every benchmark (a few minutes); both
 # write bench/results/ (the quick one under bench/results/quick/, never over the full).
 BENCH_STAMP := $(VENV)/.bench-installed
 $(BENCH_STAMP): $(STAMP)

@@ -429,6 +429,7 @@ class Periodic:
     profile: bool = False
     period: float = PERIOD  # every schedule runs every `period` s
     target: str = NOOP
+    pool: int | None = None  # the replicas' database.pool_max_size (None: the default)
 
 
 def expected_slots(
@@ -466,6 +467,9 @@ async def periodic(
 ) -> dict[str, Any]:
     """`replicas`: Leader's options for several (bench/shards.py); then `leader_cpu_percent`
     is the first one's, and `replica_cpu_percent` lists each one's."""
+    if case.pool is not None:
+        pool = {"SCHEDULER_DATABASE__POOL_MAX_SIZE": str(case.pool)}
+        replicas = {**replicas, "env": {**replicas.get("env", {}), **pool}}
     async with Leader(
         admin, workdir, case.tasks, kind=case.kind, jitter=case.jitter,
         concurrency=case.concurrency, every=case.period, target=case.target, **replicas,
@@ -951,6 +955,18 @@ def plan(sizes: Sizes) -> list[Periodic]:
         Periodic("spread, concurrency 4", "runtime", n, 1.0, 0.0, 4, sizes.compare_window),
         Periodic("sql, spread", "sql", sizes.sql_small, 1.0, 0.0, None, sizes.sql_window),
         Periodic("sql, spread", "sql", sizes.sql_large, 1.0, 0.0, None, sizes.sql_window),
+        # Each `sql` task is a fenced transaction on the pool, and user SQL holds at most
+        # pool_max_size - 2 connections: the pool bounds how many are in flight.
+        Periodic(
+            "sql, spread, pool 20",
+            "sql",
+            sizes.sql_large,
+            1.0,
+            0.0,
+            None,
+            sizes.sql_window,
+            pool=20,
+        ),
     ]
 
 
