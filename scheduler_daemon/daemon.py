@@ -52,7 +52,6 @@ if TYPE_CHECKING:
 
 LoopName = Literal["publish", "plugin"]
 EXIT_FORCED = 130  # a second signal cut the graceful stop short
-# The oldest server session mode runs on: the first with idle_session_timeout.
 
 T = TypeVar("T")
 
@@ -224,19 +223,14 @@ class Daemon:
             self._starting("starting the loops")
             await self._start_workers(stack)
 
-            runners = {}
             listener = self._listener(store, stack)
-            if listener is not None:
-                await listener.open()  # a standby's too: taking over then costs a LISTEN
-            for name in self.enabled_loops():
-                self.metrics.prime_loop(name)
-                if name == "plugin":
-                    self.metrics.shards.labels(name).set(self.settings.plugin.shards)
-                work, interval = self._build(name, store, listener)
-                guard = self._guard(name, store, listener)
-                runners[name] = LoopRunner(
-                    work, guard, interval, self.stopping, self.log, self.metrics, self.schema
-                )
+            # A standby's too: taking over then costs a LISTEN, not a connection's setup.
+            if (
+                listener is not None
+                and (await unless_set(listener.open(), self.stopping)).cancelled()
+            ):
+                return EXIT_OK
+            runners = self._runners(store, listener)
             tasks: dict[str, asyncio.Task[None]] = {
                 name: asyncio.create_task(runner.run(), name=f"loop:{name}")
                 for name, runner in runners.items()
@@ -255,6 +249,19 @@ class Daemon:
             self.notifier.ready(self._status_line(list(runners)))
             self.notifier.watch_status(lambda: self._status_line(list(runners)), every=1.0)
             return await self._monitor(tasks)
+
+    def _runners(self, store: db.Store, listener: Listener | None) -> dict[LoopName, LoopRunner]:
+        runners = {}
+        for name in self.enabled_loops():
+            self.metrics.prime_loop(name)
+            if name == "plugin":
+                self.metrics.shards.labels(name).set(self.settings.plugin.shards)
+            work, interval = self._build(name, store, listener)
+            guard = self._guard(name, store, listener)
+            runners[name] = LoopRunner(
+                work, guard, interval, self.stopping, self.log, self.metrics, self.schema
+            )
+        return runners
 
     async def _serve_http(self, stack: AsyncExitStack) -> None:
         """Listen now; the store comes with :meth:`HttpServer.attach` once we are up."""

@@ -380,7 +380,7 @@ async def test_a_stop_while_the_grants_are_checked_ends_startup_at_once(
     """The grant check is the last step before the loops start; a stop requested while it
     waits (a slow database: here, one that never answers) ends startup with exit 0."""
     from scheduler_daemon.daemon import Daemon
-    from scheduler_daemon.db import privileges
+    from scheduler_daemon.db.postgres import PostgresStore
 
     checking, cancelled = asyncio.Event(), asyncio.Event()
 
@@ -391,7 +391,7 @@ async def test_a_stop_while_the_grants_are_checked_ends_startup_at_once(
         finally:
             cancelled.set()
 
-    monkeypatch.setattr(privileges, "refuse_missing_grants", never_answers)
+    monkeypatch.setattr(PostgresStore, "refuse_missing_grants", never_answers)
     settings = Settings(
         database_url=pg_url,  # type: ignore[arg-type]
         http={"enabled": False},

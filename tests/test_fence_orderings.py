@@ -6,7 +6,7 @@ partitions) is the chaos slice, tests/test_leadership.py and tests/test_shards.p
 
 - Transaction mode (behind PgBouncer): a leader is a transaction that won the loop's
   transaction-level lock. The next one cannot win it while that transaction is open, and
-  once it has, the other's next transaction cannot either.
+  while the successor's is open, the old leader's next transaction cannot win either.
 - Sharded: a shard's owner fences on its lock connection, holding the shard's lock at
   transaction level too. A successor cannot take the shard while a transaction of the
   owner is open (a hand-over waits for it); once the successor has drawn the shard's

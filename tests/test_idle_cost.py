@@ -155,9 +155,15 @@ def test_a_lost_listen_connection_is_reopened_and_wake_ups_still_arrive(
     leader = daemons.start(env, ("run", "--only", "publish"), name="relisten-1")
     wait_for_event(leader, "leader.acquired", loop="publish")
     listener = "scheduler-daemon/relisten-1/listen"
+    # The connection is there before the leader subscribes (a standby holds it): wait for
+    # the LISTEN itself, so that what is terminated is a connection the leader trusts.
+    listening = (
+        f"SELECT pid FROM pg_stat_activity WHERE application_name = '{listener}' "
+        "AND query LIKE 'LISTEN%'"
+    )
     wait_until_listening = time.monotonic() + 10
-    while not run_sync(_backends(url, listener)):
-        assert time.monotonic() < wait_until_listening, "no LISTEN connection"
+    while not run_sync(afetch(url, listening)):
+        assert time.monotonic() < wait_until_listening, "no LISTEN on its connection"
         time.sleep(0.05)
     run_sync(afetch(url, f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                        f"WHERE application_name = '{listener}'"))  # fmt: skip

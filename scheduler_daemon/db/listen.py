@@ -75,6 +75,9 @@ class Listener:
         async with self._lock:
             self._warm = True
             await self._ensure()
+            # Failed (logged): the first subscription tries again at once, not after
+            # LISTEN_RETRY, which is for reconnecting a leader's lost LISTEN.
+            self._retry_at = 0.0
 
     async def subscribe(self, channel: str, callback: Callback) -> None:
         """Call ``callback(payload)`` for each notification on ``channel``, and with ``""``
@@ -90,16 +93,25 @@ class Listener:
                 if conn is not None and self.listening:
                     try:
                         await self._listen(conn, channel, subscription)
-                    except Exception as exc:
+                    except BaseException as exc:
+                        # Not LISTENed to (asyncpg registers a channel once LISTEN
+                        # returned): never trust this connection for it. Cancelled too:
+                        # the connection stays open (warm) for the next subscription.
                         if conn is self._conn:  # (not closed meanwhile by unsubscribe)
-                            self.log.warning("listen.failed", channel=channel, error=describe(exc))
+                            if isinstance(exc, Exception):
+                                self.log.warning(
+                                    "listen.failed", channel=channel, error=describe(exc)
+                                )
                             self._close()
+                        if not isinstance(exc, Exception):
+                            raise
             await self._ensure()
 
     def unsubscribe(self, channel: str) -> None:
         """Stop calling the channel's callback; no network round trip (see _Subscription).
-        The connection is closed once no channel has a callback (one still being opened
-        by _ensure is closed there, when it sees nobody wants it any more)."""
+        Unless the listener was opened (``open``: kept for a standby), the connection is
+        closed once no channel has a callback (one still being opened by _ensure is closed
+        there, when it sees nobody wants it any more)."""
         subscription = self._subscriptions.get(channel)
         if subscription is not None:
             subscription.callback = None

@@ -464,7 +464,7 @@ SET LOCAL statement_timeout = {statement_ms}
 -- name: backend_pid
 -- This connection's server backend: a hand-over hold's, to find its own entry in the lock
 -- manager (lock_entry); a shard member's lock session's, which the key of its member lock
--- carries; and the pooler probe's (leadership/pooler.py), which asks on one connection
+-- carries; and the pooler probe's (db/pooler.py), which asks on one connection
 -- several times: behind a transaction pooler the answer changes.
 SELECT pg_backend_pid()
 
