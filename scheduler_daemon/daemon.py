@@ -178,8 +178,12 @@ class Daemon:
     async def _prepare(self, store: db.Store) -> None:
         """The schema up to date on a connection that can hold our locks."""
         # Before anything else talks to it: behind a transaction pooler even the
-        # migration could fail in confusing ways.
-        await refuse_unsafe_locking(store)
+        # migration could fail in confusing ways. Its probe connects: a database
+        # restarting meanwhile is retried within the budget, as the migration is.
+        await within_startup_budget(
+            lambda: refuse_unsafe_locking(store), self.settings, self.log,
+            failed_event="db.connect_failed",
+        )  # fmt: skip
         self._starting("migrating")
         # The database may still be settling (a container's init restarts it once).
         applied = await within_startup_budget(
