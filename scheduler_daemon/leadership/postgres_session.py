@@ -423,11 +423,16 @@ class SessionGuard(GuardBase[PostgresStore]):
             )
             if held is not None:
                 return bool(held)
-        except (asyncpg.InterfaceError, asyncpg.ConnectionDoesNotExistError):
+        except (
+            asyncpg.InterfaceError, asyncpg.ConnectionDoesNotExistError,
+            asyncpg.InternalClientError,
+        ):  # fmt: skip
             if not lease.conn.is_closed():
                 raise
             # Closed under us, its close callback not yet run: the session, and the lock
             # with it, is over (not a network doubt that would earn the work its grace).
+            # A server ending the session mid-proof can leave asyncpg's protocol in a
+            # state it reports as its own error (InternalClientError): closed all the same.
             lease.lose("lock connection closed", lock_may_be_free=True)
             return False
         entry = await PgLockStore(self.store.pool).lock_entry(self.key, lease.backend_pid)
