@@ -832,12 +832,18 @@ def kill_report(k: dict[str, Any]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.latency")
+def rtt_arguments(prog: str) -> argparse.ArgumentParser:
+    """The flags of the benches run per RTT (this one, bench/latency_peers.py)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {prog}")
     parser.add_argument("--quick", action="store_true", help="RTTs 0 and 10 ms, 10 s each")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--rtts", type=lambda s: [float(v) for v in s.split(",")])
     parser.add_argument("--seconds", type=float, help="measured window per case")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = rtt_arguments("bench.latency")
     parser.add_argument(
         "--kill-rtt",
         type=float,

@@ -84,7 +84,7 @@ from bench.common import (
     save_results,
 )
 from bench.growth import code_version, fmt_s
-from bench.latency import measure_rtt
+from bench.latency import measure_rtt, rtt_arguments
 from bench.peers import (
     PEER_ENVS,
     SCALE_CONTESTANTS,
@@ -389,11 +389,7 @@ def report(results: dict[str, Any]) -> str:
 
 
 def arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.latency_peers")
-    parser.add_argument("--quick", action="store_true", help="RTTs 0 and 10 ms, 10 s each")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--rtts", type=lambda s: [float(v) for v in s.split(",")])
-    parser.add_argument("--seconds", type=float, help="measured window per case")
+    parser = rtt_arguments("bench.latency_peers")
     parser.add_argument(
         "--contestants",
         nargs="+",

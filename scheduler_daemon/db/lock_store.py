@@ -100,6 +100,22 @@ class LockHolder:
 
 
 @dataclass(frozen=True, slots=True)
+class MemberLocks:
+    """A sharded member's locks, as the shard_fence_* statements take them: its member
+    lock (``member_class``, ``member_objid``), the shards' class, and the loop's own key,
+    which it holds shared."""
+
+    member_class: int
+    member_objid: int
+    shard_class: int
+    key: int
+
+    def with_shards(self, shards: Sequence[int]) -> tuple[Any, ...]:
+        """The statements' positional parameters, for ``shards``."""
+        return (self.member_class, self.member_objid, self.shard_class, shards, self.key)
+
+
+@dataclass(frozen=True, slots=True)
 class MemberState:
     member: bool  # the session still holds its member lock
     shards: tuple[int, ...]  # the shards it holds
@@ -322,52 +338,27 @@ class PgLockStore(LockStore):
         released: int = await self._value("shard_unlock", shard_class=shard_class, shards=shards)
         return released
 
-    async def member_state(
-        self, backend_pid: int, member_class: int, member_objid: int, shard_class: int
-    ) -> MemberState:
+    async def member_state(self, backend_pid: int, locks: MemberLocks) -> MemberState:
         state = await self._value(
-            "shard_member_state", backend_pid=backend_pid, member_class=member_class,
-            member_objid=member_objid, shard_class=shard_class,
+            "shard_member_state", backend_pid=backend_pid, member_class=locks.member_class,
+            member_objid=locks.member_objid, shard_class=locks.shard_class,
         )  # fmt: skip
         return MemberState(bool(state["member"]), tuple(state["shards"]), tuple(state["members"]))
 
-    async def fence_shards(
-        self,
-        member_class: int,
-        member_objid: int,
-        shard_class: int,
-        shards: Sequence[int],
-        key: int,
-    ) -> ShardFence:
-        row = await self.conn.fetchrow(
-            QUERIES["shard_fence_begin"], member_class, member_objid, shard_class, shards, key
-        )
+    async def fence_shards(self, locks: MemberLocks, shards: Sequence[int]) -> ShardFence:
+        row = await self.conn.fetchrow(QUERIES["shard_fence_begin"], *locks.with_shards(shards))
         return ShardFence(
             row["schema_version"], tuple(row["members"]), bool(row["member"]), tuple(row["shards"])
         )
 
-    async def release_member_locks(
-        self,
-        member_class: int,
-        member_objid: int,
-        shard_class: int,
-        shards: Sequence[int],
-        key: int,
-    ) -> bool:
+    async def release_member_locks(self, locks: MemberLocks, shards: Sequence[int]) -> bool:
         """One session-level hold of each of the member's locks, let go (False: SQL had
         released one already); :meth:`retake_member_locks` takes them again."""
-        args = (member_class, member_objid, shard_class, shards, key)
+        args = locks.with_shards(shards)
         return bool(await self.conn.fetchval(QUERIES["shard_fence_release"], *args))
 
-    async def retake_member_locks(
-        self,
-        member_class: int,
-        member_objid: int,
-        shard_class: int,
-        shards: Sequence[int],
-        key: int,
-    ) -> int:
-        args = (member_class, member_objid, shard_class, shards, key)
+    async def retake_member_locks(self, locks: MemberLocks, shards: Sequence[int]) -> int:
+        args = locks.with_shards(shards)
         taken: int = await self.conn.fetchval(QUERIES["shard_fence_retake"], *args)
         return taken
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..db.base import ShardScope
-from ..db.lock_store import MemberState, PgLockStore
+from ..db.lock_store import MemberLocks, MemberState, PgLockStore
 from ..db.postgres import FENCED_ISOLATION, PgTx, statement_locked_transaction
 from ..errors import describe
 from .assignment import Member
@@ -87,6 +87,7 @@ class MemberLease(SessionLease):
         self.keys = keys
         self.metrics = metrics
         self.member_objid = keys.member_objid(self.backend_pid)
+        self.locks = MemberLocks(keys.member_class, self.member_objid, keys.shard_class, self.key)
         self.shards: dict[int, ShardLease] = {}
         self.view: View | None = None
         self.rebalance = asyncio.Event()  # look at the members again now
@@ -167,10 +168,7 @@ class MemberLease(SessionLease):
                         asked = sorted(s.shard for s in self.shards.values() if not s.unlocking)
                     sent = time.monotonic()
                     async with self.statement_lock:
-                        fence = await PgLockStore(self.conn).fence_shards(
-                            self.keys.member_class, self.member_objid, self.keys.shard_class,
-                            asked, self.key,
-                        )  # fmt: skip
+                        fence = await PgLockStore(self.conn).fence_shards(self.locks, asked)
                     if not fence.member:
                         self._fence_broken("the lock connection is no longer a member")
                     self.last_proven = sent
@@ -203,13 +201,12 @@ class MemberLease(SessionLease):
         """As the session lease's restore, for every lock the member holds."""
         if self.lost.is_set() or self.conn.is_closed():
             return
-        args = (self.keys.member_class, self.member_objid, self.keys.shard_class, shards, self.key)
         locks = PgLockStore(self.conn)
         try:
             async with asyncio.timeout(self.settings.database.connect_timeout):
                 if self.conn.is_in_transaction():
-                    kept = await locks.release_member_locks(*args)
-                    await locks.retake_member_locks(*args)
+                    kept = await locks.release_member_locks(self.locks, shards)
+                    await locks.retake_member_locks(self.locks, shards)
                     if not kept:
                         self.log.warning(
                             "leader.lock_restored",
@@ -219,10 +216,7 @@ class MemberLease(SessionLease):
                         )
                     return
                 # SQL ended the transaction (COMMIT): look, do not touch.
-                state = await locks.member_state(
-                    self.backend_pid, self.keys.member_class, self.member_objid,
-                    self.keys.shard_class,
-                )  # fmt: skip
+                state = await locks.member_state(self.backend_pid, self.locks)
                 if not state.member or not set(shards) <= set(state.shards):
                     self._fence_broken("SQL in a fenced transaction ended it and the locks")
         except LeadershipLost:

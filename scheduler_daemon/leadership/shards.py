@@ -226,19 +226,13 @@ class ShardedSessionGuard(SessionGuard):
     # -- the heartbeat --------------------------------------------------------------------
 
     async def _prove_member(self, lease: MemberLease) -> bool:
-        args = (
-            lease.backend_pid,
-            self.keys.member_class,
-            lease.member_objid,
-            self.keys.shard_class,
-        )
         sent = time.monotonic()
         try:
             state = await ask_between_statements(
                 lease.conn,
                 lease.transaction_lock,
                 lease.statement_lock,
-                lambda conn: PgLockStore(conn).member_state(*args),
+                lambda conn: PgLockStore(conn).member_state(lease.backend_pid, lease.locks),
             )
         except (asyncpg.InterfaceError, asyncpg.ConnectionDoesNotExistError):
             if not lease.conn.is_closed():
@@ -246,7 +240,7 @@ class ShardedSessionGuard(SessionGuard):
             lease.lose("lock connection closed", lock_may_be_free=True)
             return False
         if state is None:
-            state = await PgLockStore(self.store.pool).member_state(*args)
+            state = await PgLockStore(self.store.pool).member_state(lease.backend_pid, lease.locks)
         return lease.observe(state, sent)
 
     # -- the watch --------------------------------------------------------------------------
