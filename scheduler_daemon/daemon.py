@@ -176,19 +176,21 @@ class Daemon:
         self._publishers = build_publishers(self.settings, self.settings.database_url.backend)
 
     async def _prepare(self, store: db.Store) -> None:
-        """The schema up to date on a connection that can hold our locks."""
-        # Before anything else talks to it: behind a transaction pooler even the
-        # migration could fail in confusing ways. Its probe connects: a database
-        # restarting meanwhile is retried within the budget, as the migration is.
+        """The schema up to date on a connection that can hold our locks. The database may
+        still be settling (a container's init restarts it once, a failover, a restart):
+        every step of it is retried within ``database.startup_budget``, the whole run
+        again (each step can be: migrate applies only what is pending)."""
         await within_startup_budget(
-            lambda: refuse_unsafe_locking(store), self.settings, self.log,
-            failed_event="db.connect_failed",
+            lambda: self._prepare_once(store), self.settings, self.log,
+            failed_event="db.migrate_failed",
         )  # fmt: skip
+
+    async def _prepare_once(self, store: db.Store) -> None:
+        # Before anything else talks to it: behind a transaction pooler even the
+        # migration could fail in confusing ways.
+        await refuse_unsafe_locking(store)
         self._starting("migrating")
-        # The database may still be settling (a container's init restarts it once).
-        applied = await within_startup_budget(
-            store.migrate, self.settings, self.log, failed_event="db.migrate_failed"
-        )
+        applied = await store.migrate()
         version = await store.schema_version()
         self.log.info(
             "db.migrated",
