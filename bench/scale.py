@@ -22,7 +22,7 @@ Cases (`Sizes` gives the counts and windows; --quick shrinks them):
 - **aligned, jitter 10 s**: the same N rows with `jitter_seconds = 10`, all created at
   one instant T0: each first slot is the first point of its grid from T0, as
   `Client.add_schedule` computes it (whole periods from the epoch plus the schedule's
-  offset, plugins/schedule.py), and so is every slot after it. Whether the jitter spreads
+  offset, plugins/tasks.py), and so is every slot after it. Whether the jitter spreads
   them. (Rows inserted by plain SQL without next_run_at all run at their default, now(),
   once, and then on their grids.)
 - **concurrency 4**: the spread case at the old default concurrency, for the
@@ -100,7 +100,7 @@ from bench.growth import (
     wait_leading,
 )
 from bench.peers import LOG_LINE, STATEMENT, ServerLog, find_log, tree
-from scheduler_daemon.plugins.schedule import Every, with_jitter
+from scheduler_daemon.plugins.tasks import Every, with_jitter
 
 PERIOD = 10.0  # every schedule runs every 10 s
 NOOP = "growth_tasks:noop"
@@ -438,7 +438,7 @@ def expected_slots(
     """Every slot the window should see, per schedule. Without jitter: its first slot (T0
     plus its share of the spread), then every PERIOD. With jitter: T0 for all (the rows'
     next_run_at, set at one instant), then the points of each schedule's own grid (whole
-    periods from the epoch plus its offset, plugins/schedule.py) from T0 (set_slots) up
+    periods from the epoch plus its offset, plugins/tasks.py) from T0 (set_slots) up
     to the window's end; `k` counts them from 0."""
     out_names: list[str] = []
     out_slots: list[datetime] = []

@@ -42,7 +42,7 @@ from bench.common import RESULTS, admin_dsn, percentile, save_results
 from bench.growth import code_version, fmt_s
 from bench.scale import PERIOD, Leader
 from scheduler_daemon.plugins.retention import trim_every
-from scheduler_daemon.plugins.schedule import name_hash
+from scheduler_daemon.plugins.tasks import name_hash
 
 STAMP = "growth_tasks:stamp"
 SAMPLE = 10.0  # s between two looks at the tables and the replicas

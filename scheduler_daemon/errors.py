@@ -12,7 +12,7 @@ ends the daemon. Where each kind is handled:
   exit 69 (``DatabaseUnavailable``; ``db/connect.py``); once running, the loops retry
   database trouble for ever (``loops/base.py``);
 - a request refused by the CLI or ``Client`` (key, time, payload): exit 65, nothing
-  changed (``InvalidInput``; ``client/rules.py``);
+  changed (``InvalidInput``; ``client/pool.py``);
 - a publisher that raises, or hangs past ``publish.publisher_timeout``: its batch is
   retried row by row and only the bad row fails (``loops/publish.py``);
 - a plugin task that raises, or runs past its ``timeout``: the run is recorded failed or

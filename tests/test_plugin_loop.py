@@ -41,7 +41,7 @@ from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.daemon import Daemon
 from scheduler_daemon.db.sqlfiles import positional
 from scheduler_daemon.logs import get_logger
-from scheduler_daemon.plugins.schedule import Cron
+from scheduler_daemon.plugins.tasks import Cron
 
 TERMINAL = {"succeeded", "failed", "timed_out", "skipped_overlap", "abandoned"}
 

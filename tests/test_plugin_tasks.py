@@ -404,7 +404,7 @@ def test_duplicate_between_builtins_is_refused() -> None:
 def test_jitter_is_a_fixed_offset_per_name_within_its_bound() -> None:
     from datetime import UTC, datetime, timedelta
 
-    from scheduler_daemon.plugins.schedule import Cron, Every, jitter_offset, with_jitter
+    from scheduler_daemon.plugins.tasks import Cron, Every, jitter_offset, with_jitter
 
     offsets = [jitter_offset(f"tenant-{i}", 10.0) for i in range(1000)]
     assert all(timedelta(0) <= o < timedelta(seconds=10) for o in offsets)

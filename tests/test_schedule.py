@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduler_daemon.plugins.schedule import Cron, Every, Schedule, plan
+from scheduler_daemon.plugins.tasks import Cron, Every, Schedule, plan
 
 BERLIN = ZoneInfo("Europe/Berlin")
 NEW_YORK = ZoneInfo("America/New_York")

@@ -1,5 +1,5 @@
 """The loops' store contract, on both backends: the plugin loop's (db/plugin_store.py), the
-publish loop's and the webhook outbox's (db/publish_store.py), the schedule actions
+publish loop's and the webhook outbox's (db/publications.py), the schedule actions
 (db/schedules.py); and the leaders' lock store (db/lock_store.py): the leaders row and the
 fencing tokens on both, the lock manager's answers on PostgreSQL.
 
@@ -27,7 +27,7 @@ from scheduler_daemon.db.base import Store
 from scheduler_daemon.db.lock_store import PgLockStore, Predecessor, SqliteLockStore
 from scheduler_daemon.db.plugin_store import Claim, Declaration, PluginStore, RunResult
 from scheduler_daemon.db.postgres import PostgresStore
-from scheduler_daemon.db.publish_store import PublishStore
+from scheduler_daemon.db.publications import PublishStore
 from scheduler_daemon.db.schedules import ScheduleStore
 from scheduler_daemon.db.sqlfiles import migrations, queries
 from scheduler_daemon.db.sqlite import SqliteStore
@@ -435,7 +435,7 @@ async def test_a_sharded_scope_keeps_to_its_shards_while_their_tokens_are_curren
             assert len(await scoped({0: 10}).finish(results, 5, 100)) == len(results)
 
 
-# -- the publish loop's store (db/publish_store.py) -----------------------------------------
+# -- the publish loop's store (db/publications.py) ------------------------------------------
 
 
 async def publications(store: Store, *seconds_from_now: float) -> list[int]:

@@ -28,7 +28,7 @@ from rig.waiting import until
 
 from scheduler_daemon.config.settings import WebhookPublisherSettings
 from scheduler_daemon.config.values import DEFAULT_PUBLISH_KEY
-from scheduler_daemon.db.publish_store import OwedWebhook, Published
+from scheduler_daemon.db.publications import OwedWebhook, Published
 from scheduler_daemon.leadership import LeadershipLost
 from scheduler_daemon.logs import get_logger
 from scheduler_daemon.metrics import Metrics

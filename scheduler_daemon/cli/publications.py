@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from ..client.rules import MAX_PAYLOAD_DEPTH, ignored_changes
+from ..client.pool import MAX_PAYLOAD_DEPTH, ignored_changes
 from ..db import Publication, PublicationFilter, ScheduleResult
 from ..errors import InvalidInput, NotFound
 from ..output import dumps, json_row, json_rows

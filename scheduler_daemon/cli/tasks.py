@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from ..client.rules import MAX_PAYLOAD_DEPTH
+from ..client.pool import MAX_PAYLOAD_DEPTH
 from ..db import AddedSchedule, ScheduleRecord
 from ..db.schedules import ScheduleStore
 from ..errors import InvalidInput, NotFound

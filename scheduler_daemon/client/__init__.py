@@ -35,17 +35,17 @@ same two ways::
 
 validated first by :func:`validate_runtime_schedule`.
 
-The package: ``rules`` (the validation every way in shares), ``pool`` (:class:`Client`),
+The package: ``pool`` (the validation every way in shares, and :class:`Client`),
 ``in_transaction`` (the ``*_in`` functions); the public API is imported here, from
 ``scheduler_daemon.client``.
 """
 
 from .in_transaction import add_schedule_in, cancel_in, remove_schedule_in, schedule_in
-from .pool import Client
-from .rules import (
+from .pool import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     MAX_KEY_LENGTH,
     MAX_PAYLOAD_DEPTH,
+    Client,
     DurationLike,
     PublicationRequest,
     RuntimeSchedule,

@@ -11,7 +11,7 @@ from typing import Any
 from ..db import AddedSchedule, Publication, ScheduleRecord, ScheduleResult, publications
 from ..db.base import Tx
 from ..db.schedules import ScheduleStore
-from .rules import (
+from .pool import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     DurationLike,
     validate_publication,

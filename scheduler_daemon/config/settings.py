@@ -137,7 +137,7 @@ class PublishSettings(Section):
 
 
 # A task name is a primary key: its index entry must stay under PostgreSQL's 2,704 bytes
-# (four bytes a character at most). The same as a publication key's limit (client/rules.py).
+# (four bytes a character at most). The same as a publication key's limit (client/pool.py).
 MAX_TASK_NAME_LENGTH = 500
 
 

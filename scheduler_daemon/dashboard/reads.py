@@ -237,7 +237,7 @@ def successor(prefix: str) -> str | None:
 
 def searchable(query: ScheduleQuery) -> bool:
     """Whether a name could be on the page at all: no name holds a NUL or a lone surrogate
-    (client.rules refuses them; PostgreSQL's text cannot hold them, and a statement given
+    (client.pool refuses them; PostgreSQL's text cannot hold them, and a statement given
     one fails), and a URL can carry both."""
     texts = (query.prefix, query.after or "", query.before or "")
     return all("\x00" not in text and _encodes(text) for text in texts)

@@ -29,7 +29,7 @@ from markupsafe import Markup
 from ..aio import wait_any
 from ..config.settings import Settings
 from ..db.base import COUNT_LIMIT, Store
-from ..db.publish_store import PublishStore
+from ..db.publications import PublishStore
 from ..db.schedules import ScheduleStore
 from ..errors import InvalidInput, NotFound, describe
 from ..logs import Logger

@@ -2,7 +2,7 @@
 
 Each backend (``postgres``, ``sqlite``) implements :class:`Store` in its own module and
 keeps its SQL in a ``<backend>.sql`` file beside it. The loops reach that SQL through
-typed stores over a :class:`Tx` (db/publish_store.py, db/plugin_store.py,
+typed stores over a :class:`Tx` (db/publications.py, db/plugin_store.py,
 db/schedules.py): methods with named parameters that return dataclasses; reports (the
 status, the dashboard) read rows as dicts with :meth:`Tx.query`.
 
@@ -253,7 +253,7 @@ class Tx(Protocol):
     In PostgreSQL session mode that is a pooled connection whose first statement checks
     the loop's fencing token, holding its row until the end (leadership/token_fence.py): a
     replaced leader's transaction cannot commit after its successor drew a token (a
-    sharded member's runs on its lock connection, fenced by its shard locks). In
+    sharded member's, each shard's token: leadership/shard_lease.py). In
     transaction mode the same transaction holds the tick's ``pg_try_advisory_xact_lock``.
     """
 

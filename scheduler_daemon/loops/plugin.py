@@ -48,8 +48,7 @@ from ..errors import describe
 from ..leadership import ClaimScope, LeadershipLost, Lease, PendingHold
 from ..logs import Logger
 from ..metrics import Metrics
-from ..plugins.schedule import plan
-from ..plugins.tasks import Target, TaskSpec, runtime_spec
+from ..plugins.tasks import Target, TaskSpec, plan, runtime_spec
 from ..plugins.workers import Workers
 from .base import LISTENING_MAX_SLEEP, Tick
 from .plugin_runs import Clock, PluginRuns, Start

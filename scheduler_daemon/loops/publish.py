@@ -5,7 +5,7 @@ fenced transaction (``lease.transaction()``: in session mode on the leader's loc
 connection, in transaction mode a pooled one whose first statement takes the lock, on
 SQLite under the file lock): one statement picks up to ``batch_size`` due rows
 (``publish_at <= now()`` by the database's clock; PostgreSQL skips rows others hold
-locked) and flips them (db/publish_store.py), and the publishers run on the returned rows
+locked) and flips them (db/publications.py), and the publishers run on the returned rows
 in the same transaction. If the leader lost its lock, nothing of the batch commits, and
 the next leader publishes it.
 
@@ -33,7 +33,7 @@ import asyncpg
 from ..config.settings import Settings
 from ..db.base import CommitWatch, Store, Tx
 from ..db.connect import is_transient_database_error
-from ..db.publish_store import Published, PublishStore
+from ..db.publications import Published, PublishStore
 from ..errors import describe
 from ..leadership import LeadershipLost, Lease
 from ..logs import Logger

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config.settings import Settings
-from ..db.publish_store import PublishStore
+from ..db.publications import PublishStore
 from .context import TaskContext
 from .retention import BATCH, TRIM_SHARE, WORK_BUDGET, keep_young, trim_to_count
 

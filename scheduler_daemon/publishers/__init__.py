@@ -5,7 +5,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 
 from ..config.settings import Settings
-from ..db.publish_store import Published
+from ..db.publications import Published
 from ..errors import ConfigError
 from .base import Publisher
 from .notify import NotifyPublisher

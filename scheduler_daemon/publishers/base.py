@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from ..db.base import Tx
-from ..db.publish_store import Published
+from ..db.publications import Published
 
 
 class Publisher(Protocol):

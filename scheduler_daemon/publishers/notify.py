@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from ..config.settings import NotifyPublisherSettings
 from ..db.base import Tx
-from ..db.publish_store import Published, PublishStore
+from ..db.publications import Published, PublishStore
 
 
 class NotifyPublisher:

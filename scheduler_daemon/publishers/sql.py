@@ -12,7 +12,7 @@ from typing import Any
 
 from ..config.settings import SqlPublisherSettings
 from ..db.base import Tx
-from ..db.publish_store import Published
+from ..db.publications import Published
 
 
 def extract(row: Published, param: str) -> Any:

@@ -44,7 +44,7 @@ from ..aio import unless_set, wait_any
 from ..config.settings import WebhookPublisherSettings
 from ..db.base import Tx
 from ..db.connect import Backoff
-from ..db.publish_store import OwedWebhook, Published, PublishStore
+from ..db.publications import OwedWebhook, Published, PublishStore
 from ..errors import ConfigError, describe
 from ..leadership import LeadershipLost, Lease, NotLeader
 from ..logs import Logger
