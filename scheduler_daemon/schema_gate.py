@@ -5,7 +5,7 @@ The old code cannot know what the new schema means, so from the moment the migra
 commits it does no more work:
 
 - every fenced transaction reads the schema version in its first statement, with its
-  proof of the lock (session mode's ``scheduler_fence`` or a member's ``shard_fence_begin``,
+  proof of the lock (session mode's ``scheduler_fence`` or a member's ``scheduler_fence_shards``,
   transaction mode's ``compete``; on
   SQLite the first statement of the ``BEGIN IMMEDIATE`` transaction), and the transaction
   that claims a lock just granted reads it too;

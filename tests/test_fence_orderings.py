@@ -7,11 +7,11 @@ partitions) is the chaos slice, tests/test_leadership.py and tests/test_shards.p
 - Transaction mode (behind PgBouncer): a leader is a transaction that won the loop's
   transaction-level lock. The next one cannot win it while that transaction is open, and
   while the successor's is open, the old leader's next transaction cannot win either.
-- Sharded: a shard's owner fences on its lock connection, holding the shard's lock at
-  transaction level too. A successor cannot take the shard while a transaction of the
-  owner is open (a hand-over waits for it); once the successor has drawn the shard's
-  token, the old owner's next transaction finds the shard not its own, and a claim
-  scoped by the old token claims nothing.
+- Sharded: a member's fenced transactions are on the pool, fenced by each shard's row
+  (tests/test_shard_fence.py has the statement's orderings). With real members: the
+  shard's next owner's draw waits for the old owner's open transaction; after it, the old
+  owner's next transaction goes on for its other shards only, and a claim scoped by the
+  old token claims nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from datetime import datetime, timedelta
 
 import asyncpg
 import pytest
+from rig.waiting import until
 
 from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.config.values import DEFAULT_PLUGIN_KEY
@@ -30,7 +31,7 @@ from scheduler_daemon.db.plugin_store import Claim, PluginStore
 from scheduler_daemon.db.postgres import PgTx
 from scheduler_daemon.db.sqlfiles import positional, queries
 from scheduler_daemon.leadership import Guard, NotLeader, make_guard
-from scheduler_daemon.leadership.shard_keys import ShardKeys
+from scheduler_daemon.leadership.shard_lease import MemberLease
 from scheduler_daemon.logs import get_logger
 from scheduler_daemon.metrics import Metrics
 from scheduler_daemon.schema_gate import SchemaGate
@@ -78,75 +79,90 @@ async def test_transaction_mode_a_leaders_transaction_and_its_successors_never_o
             await store.close()
 
 
-async def join(conn: asyncpg.Connection, keys: ShardKeys) -> tuple[int, int, int]:
-    """Make ``conn`` a member, as the guard does: the member lock and the loop's key
-    shared. The fence's first arguments for it."""
-    pid: int = await conn.fetchval("SELECT pg_backend_pid()")
-    objid = keys.member_objid(pid)
-    signed = objid - 2**32 if objid >= 2**31 else objid
-    await conn.execute("SELECT pg_advisory_lock($1, $2)", keys.member_class, signed)
-    await conn.execute("SELECT pg_advisory_lock_shared($1)", DEFAULT_PLUGIN_KEY)
-    return keys.member_class, objid, keys.shard_class
-
-
-async def fenced_for(
-    conn: asyncpg.Connection, member: tuple[int, int, int], shard: int
-) -> list[int]:
-    """A member's fence, first statement of its transaction: the shards of those asked
-    that it holds (now held by the transaction too)."""
-    fence = await conn.fetchrow(Q["shard_fence_begin"], *member, [shard], DEFAULT_PLUGIN_KEY)
-    assert fence["member"]
-    shards: list[int] = fence["shards"]
-    return shards
-
-
 def claim_of(due: datetime) -> Claim:
     return Claim("s", seen_next=due, next_run_at=due + timedelta(minutes=1), run_slot=due)
 
 
-async def claimed(conn: asyncpg.Connection, shard: int, token: int, due: datetime) -> list[str]:
+async def claimed(pool: asyncpg.Pool, shard: int, token: int, due: datetime) -> list[str]:
     """What a claim of the due schedule, scoped to ``shard`` under ``token``, claims."""
-    tx = PgTx(conn, token, None, ShardScope(SHARDS, {shard: token}))
-    return [run.name for run in await PluginStore(tx).claim("test", [claim_of(due)])]
+    async with pool.acquire() as conn, conn.transaction():
+        tx = PgTx(conn, token, None, ShardScope(SHARDS, {shard: token}))
+        return [run.name for run in await PluginStore(tx).claim("test", [claim_of(due)])]
 
 
-async def test_a_shards_old_owner_commits_nothing_after_its_successor_took_it(
+async def owning(member: MemberLease, count: int) -> None:
+    async def owns() -> bool:
+        return len(member.active_shards()) == count
+
+    await until(owns, f"{count} shards owned", 30)
+
+
+async def test_sharded_a_shards_old_owner_commits_nothing_after_its_successor_took_it(
     pg_url: str,
 ) -> None:
-    keys = ShardKeys(DEFAULT_PLUGIN_KEY, SHARDS)
-    old, new = await asyncpg.connect(pg_url), await asyncpg.connect(pg_url)
+    """Two real members (the guard, its rebalancer and fence). The first holds both
+    shards and a fenced transaction for both, open; the second joins and is handed one.
+    Its draw waits for that transaction (the fence holds the shard's row FOR SHARE), so
+    what the old owner wrote commits first. After the draw, the old owner's next
+    transaction for both shards goes on for the one still its own; a claim scoped by the
+    moved shard's old token claims nothing."""
+    settings = Settings(
+        database_url=pg_url, plugin={"shards": SHARDS},
+        lock={"heartbeat_interval": 0.2, "stop_grace": 0.5, "stall_timeout": 3},
+    )  # fmt: skip
+    stores = [await open_store(settings), await open_store(settings)]
+    pool = stores[0].pool  # type: ignore[attr-defined]
+    first, second = (guard_on(store, settings) for store in stores)
     try:
-        due: datetime = await old.fetchval(
+        await pool.execute("CREATE TABLE fenced_writes (who text, n int)")
+        due: datetime = await pool.fetchval(
             "INSERT INTO scheduler_plugin_tasks (name, schedule, next_run_at, source) "
             "VALUES ('s', 'every 60s', now() - interval '1 second', 'config') "
             "RETURNING next_run_at"
         )
-        shard: int = await old.fetchval(
-            "SELECT shard_hash % $1 FROM scheduler_plugin_tasks WHERE name = 's'", SHARDS
-        )
-        old_args, new_args = await join(old, keys), await join(new, keys)
-        take = "SELECT pg_try_advisory_lock($1, $2)"
-        assert await old.fetchval(take, keys.shard_class, shard)
-        replaced: int = await old.fetchval(DRAW, f"plugin/{shard}", "old")
-
-        async with old.transaction():
-            assert await fenced_for(old, old_args, shard) == [shard]
-            # A hand-over lets the session's lock go while this transaction is open: its
-            # own hold keeps the shard until it ends.
-            await old.execute("SELECT pg_advisory_unlock($1, $2)", keys.shard_class, shard)
-            assert not await new.fetchval(take, keys.shard_class, shard)
-
-        assert await new.fetchval(take, keys.shard_class, shard)
-        drawn: int = await new.fetchval(DRAW, f"plugin/{shard}", "new")
-        assert drawn > replaced
-        async with new.transaction():  # the successor's first fenced statement
-            assert await fenced_for(new, new_args, shard) == [shard]
-
-        async with old.transaction():
-            assert await fenced_for(old, old_args, shard) == [], "not the old owner's now"
-            assert await claimed(old, shard, replaced, due) == [], "its old token claims nothing"
-        async with new.transaction():
-            assert await claimed(new, shard, drawn, due) == ["s"]
+        async with first.leadership() as member:
+            assert isinstance(member, MemberLease)
+            await owning(member, SHARDS)
+            leases = {lease.shard: lease for lease in member.active_shards()}
+            async with member.fenced(list(leases.values()), only_ours=True) as tx:
+                assert tx.shards is not None
+                assert set(tx.shards.tokens) == set(leases)
+                joined = asyncio.ensure_future(_join_and_own(second, 1))
+                await until(
+                    lambda: a_draw_waits(pool),
+                    "the successor's draw to wait for the open transaction",
+                    30,
+                )
+                await tx.run("INSERT INTO fenced_writes VALUES ('old', 1)")
+            successor = await asyncio.wait_for(joined, 30)
+            [moved] = successor.keys()
+            [kept] = set(leases) - {moved}
+            async with member.fenced(list(leases.values()), only_ours=True) as tx:
+                assert tx.shards is not None
+                assert set(tx.shards.tokens) == {kept}, "only the shard still its own"
+            assert await claimed(pool, moved, leases[moved].fencing_token, due) == []
+            assert successor[moved] > leases[moved].fencing_token
+        rows = await pool.fetch("SELECT who, n FROM fenced_writes")
+        assert [(r["who"], r["n"]) for r in rows] == [("old", 1)]
     finally:
-        await old.close()
-        await new.close()
+        for store in stores:
+            await store.close()
+
+
+async def a_draw_waits(pool: asyncpg.Pool) -> bool:
+    return bool(
+        await pool.fetchval(
+            # A row lock's wait (the fencing row's): the members' watch waits on an
+            # advisory lock, and nothing else here waits.
+            "SELECT count(*) = 1 FROM pg_stat_activity "
+            "WHERE wait_event_type = 'Lock' AND wait_event IN ('transactionid', 'tuple')"
+        )
+    )
+
+
+async def _join_and_own(guard: Guard, count: int) -> dict[int, int]:
+    """Join as a member, wait for ``count`` shards, leave: each shard's token."""
+    async with guard.leadership() as member:
+        assert isinstance(member, MemberLease)
+        await owning(member, count)
+        return {lease.shard: lease.fencing_token for lease in member.active_shards()}

@@ -173,6 +173,9 @@ def split(
 
 # -- the doc, the code and the SQL agree ------------------------------------------------
 
+# The fence functions (migrations 0015, 0016): PUBLIC's by default, as the procedures.
+FENCES = {("function", "scheduler_fence"), ("function", "scheduler_fence_shards")}
+
 ALL_FEATURES = required_grants(
     ["publish", "plugin"], session=True, webhook=True, purge=True, purge_runs=True
 )
@@ -189,7 +192,7 @@ def test_the_documented_grants_are_what_the_daemon_checks_for() -> None:
     checked = {
         (kind, name, p) for (kind, name), ps in ALL_FEATURES.items() for p in ps
         # PUBLIC's by default: docs/security.md grants none
-        if kind != "procedure" and (kind, name) != ("function", "scheduler_fence")
+        if kind != "procedure" and (kind, name) not in FENCES
     }  # fmt: skip
     assert documented == checked
 
@@ -226,8 +229,9 @@ def privileges_used(sql: str) -> set[tuple[str, str, str]]:
     if "FROM scheduler_runs_maintain(" in sql:  # the history's upkeep: a function, not a table
         used.discard(("table", "scheduler_runs_maintain", "SELECT"))
         used.add(("function", "scheduler_runs_maintain", "EXECUTE"))
-    if "scheduler_fence(" in sql:  # session mode's fence: a function, FOR SHARE
-        used.add(("function", "scheduler_fence", "EXECUTE"))
+    for fence in ("scheduler_fence", "scheduler_fence_shards"):  # session mode's fences
+        if f"{fence}(" in sql:  # a function, FOR SHARE
+            used.add(("function", fence, "EXECUTE"))
     if "scheduler_fencing_%s_seq" in sql:  # nextval() of the loop's own sequence
         used |= {
             ("sequence", f"scheduler_fencing_{loop}_seq", "USAGE") for loop in ("publish", "plugin")

@@ -50,7 +50,7 @@ def test_both_backends_define_the_same_queries() -> None:
         # The session guard's lock and settings; the transaction guard's (SQLite: flock,
         # and BEGIN IMMEDIATE, its one transaction control statement).
         "session_limits", "lock_try", "lock_wait", "lock_unlock", "statement_timeout_off",
-        "statement_timeout_reset", "fence_compete", "token_fence", "session_clean", "transaction_limits", "backend_pid",
+        "statement_timeout_reset", "fence_compete", "token_fence", "fencing_supersede", "session_clean", "transaction_limits", "backend_pid",
         "hold_queue", "lock_timeout_local", "lock_timeout_default",
         # A statement's own timeout (SQLite: none, busy_timeout for the whole connection).
         "statement_timeout_read", "statement_timeout_local", "statement_timeout_restore",
@@ -178,6 +178,16 @@ def test_formatted_writes_integers_and_names_only() -> None:
         newest=15,
     )  # fmt: skip
     assert "scheduler_fence('plugin/7', 5, 15)" in fence
+    shards = formatted(
+        queries("postgres")["shard_token_fence"], stall_ms=1, check_ms=1, loop="plugin",
+        shards=(3, 5), tokens=(71, 2**40 + 9), newest=16,
+    )  # fmt: skip
+    assert (
+        "scheduler_fence_shards('plugin', '{3,5}'::integer[], '{71,1099511627785}'::bigint[], 16)"
+        in shards
+    )
+    with pytest.raises(TypeError, match="tuple of ints"):
+        formatted(text, stall_ms=("1); DROP TABLE x; --",), statement_ms=1)  # type: ignore[arg-type]
     for hostile in ("1500; DROP TABLE x", "plugin'); DROP TABLE x; --", "Plugin"):
         with pytest.raises(ValueError, match="takes a name"):
             formatted(text, stall_ms=hostile, statement_ms=1)

@@ -101,18 +101,12 @@ class LockHolder:
 
 @dataclass(frozen=True, slots=True)
 class MemberLocks:
-    """A sharded member's locks, as the shard_fence_* statements take them: its member
-    lock (``member_class``, ``member_objid``), the shards' class, and the loop's own key,
-    which it holds shared."""
+    """A sharded member's locks, as its heartbeat asks after them: its member lock
+    (``member_class``, ``member_objid``) and the shards' class."""
 
     member_class: int
     member_objid: int
     shard_class: int
-    key: int
-
-    def with_shards(self, shards: Sequence[int]) -> tuple[Any, ...]:
-        """The statements' positional parameters, for ``shards``."""
-        return (self.member_class, self.member_objid, self.shard_class, shards, self.key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,17 +114,6 @@ class MemberState:
     member: bool  # the session still holds its member lock
     shards: tuple[int, ...]  # the shards it holds
     members: tuple[int, ...]  # the members' backend pids, in order
-
-
-@dataclass(frozen=True, slots=True)
-class ShardFence:
-    """A member's fenced transaction's first statement: what it holds now, and for the
-    transaction too."""
-
-    schema_version: int | None
-    members: tuple[int, ...]
-    member: bool
-    shards: tuple[int, ...]
 
 
 class LockStore:
@@ -345,22 +328,11 @@ class PgLockStore(LockStore):
         )  # fmt: skip
         return MemberState(bool(state["member"]), tuple(state["shards"]), tuple(state["members"]))
 
-    async def fence_shards(self, locks: MemberLocks, shards: Sequence[int]) -> ShardFence:
-        row = await self.conn.fetchrow(QUERIES["shard_fence_begin"], *locks.with_shards(shards))
-        return ShardFence(
-            row["schema_version"], tuple(row["members"]), bool(row["member"]), tuple(row["shards"])
-        )
-
-    async def release_member_locks(self, locks: MemberLocks, shards: Sequence[int]) -> bool:
-        """One session-level hold of each of the member's locks, let go (False: SQL had
-        released one already); :meth:`retake_member_locks` takes them again."""
-        args = locks.with_shards(shards)
-        return bool(await self.conn.fetchval(QUERIES["shard_fence_release"], *args))
-
-    async def retake_member_locks(self, locks: MemberLocks, shards: Sequence[int]) -> int:
-        args = locks.with_shards(shards)
-        taken: int = await self.conn.fetchval(QUERIES["shard_fence_retake"], *args)
-        return taken
+    async def supersede(self, loop: str, rows: Sequence[str] | None) -> list[str]:
+        """Move the tokens of the other layout's fencing rows on (``fencing_supersede``):
+        ``rows``, or (None) every shard's of ``loop``. The rows superseded."""
+        found = await self.tx.query("fencing_supersede", loop=loop, rows=rows)
+        return [row["loop"] for row in found]
 
 
 class SqliteLockStore(LockStore):

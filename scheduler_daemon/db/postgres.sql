@@ -289,6 +289,19 @@ ON CONFLICT (loop) DO UPDATE SET
     epoch = EXCLUDED.epoch, timeline = EXCLUDED.timeline, start_offset = EXCLUDED.start_offset
 RETURNING token, (SELECT token FROM previous) AS previous
 
+-- name: fencing_supersede
+-- The other layout's fencing rows of a loop superseded, for a leader that takes it in
+-- this layout (docs/leadership.md "Shards"): an unsharded leader supersedes every shard's
+-- row (':loop/<n>', :rows NULL), the first member of a sharded layout the loop's own row
+-- (:rows, the one name). Each row's token moves on, which waits for every transaction
+-- still fenced by it (their FOR SHARE) and fails every later one, as a draw does; the rows'
+-- owners, and draws, stay as they were (the next owner draws its own token, higher still:
+-- tokens come from the loop's sequence). The names of the rows superseded.
+UPDATE scheduler_fencing SET token = token + 1, changed_at = now()
+WHERE CASE WHEN :rows::text[] IS NULL THEN loop ~ ('^' || :loop::text || '/[0-9]+$')
+           ELSE loop = ANY(:rows::text[]) END
+RETURNING loop
+
 -- name: leader_predecessor
 -- Read by a new leader before it claims the row: the schema version (an older replica
 -- granted the lock on a newer schema lets it go at once: schema_gate.py), and who led last
@@ -374,6 +387,17 @@ SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
 SET LOCAL idle_in_transaction_session_timeout = {stall_ms};
 SET LOCAL client_connection_check_interval = {check_ms};
 SELECT scheduler_fence({loop}, {token}, {newest})
+
+-- name: shard_token_fence
+-- A sharded member's fenced transaction on a pooled connection (leadership/shard_lease.py),
+-- as token_fence for a loop: the same settings, then scheduler_fence_shards (migration
+-- 0016): the fencing row of each shard asked FOR SHARE, each token still the one given
+-- (the two arrays in the same order), the schema not newer than this build knows, or an
+-- error (SDF01, DETAIL: the shards superseded; SDF02).
+SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
+SET LOCAL idle_in_transaction_session_timeout = {stall_ms};
+SET LOCAL client_connection_check_interval = {check_ms};
+SELECT scheduler_fence_shards({loop}, {shards}::integer[], {tokens}::bigint[], {newest})
 
 -- name: session_clean
 -- After a task's or a publisher's SQL on a pooled connection (session mode), sent with
@@ -572,59 +596,6 @@ SELECT jsonb_build_object(
           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
           AND l.classid = :member_class::bigint::oid AND (l.objid::bigint & 4194303) = l.pid),
         '[]'::jsonb))
-
--- name: shard_fence_begin
--- First statement of a sharded member's fenced transaction: the schema version, whether
--- the session is still a member, and which of shards $4 it holds. Each of those, and the
--- shared hold on the loop's own key ($5: it keeps a replica that leads unsharded out), is
--- now held by the transaction too, so SQL run in it (pg_advisory_unlock_all()) cannot
--- free any of them. And the members' pids: a change says rebalance (a
--- member whose ticks prove its locks sends no heartbeat to notice it by).
--- What the session holds is read first, materialized, and only that is taken at
--- transaction level: a lock tried before the check (the planner may order a filter so)
--- would take a free shard and then find it "held".
-WITH mine AS MATERIALIZED (
-    SELECT l.classid::bigint AS classid, l.objid::bigint AS objid FROM pg_locks l
-    WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
-      AND l.pid = pg_backend_pid()
-      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-), member AS MATERIALIZED (
-    SELECT EXISTS (SELECT 1 FROM mine WHERE classid = $1 AND objid = $2::bigint) AS held
-), held AS MATERIALIZED (
-    SELECT objid::int AS s FROM mine WHERE classid = $3 AND objid = ANY($4::int[])
-)
-SELECT (SELECT max(version) FROM scheduler_schema_version) AS schema_version,
-       ARRAY(SELECT l.pid FROM pg_locks l
-             WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
-               AND l.database = (SELECT oid FROM pg_database
-                                 WHERE datname = current_database())
-               AND l.classid = $1::bigint::oid AND (l.objid::bigint & 4194303) = l.pid
-             ORDER BY l.pid) AS members,
-       m.held AND pg_try_advisory_xact_lock(
-                      $1::bigint::int, ($2::bigint - (($2::bigint >> 31) << 32))::int)
-           AND pg_try_advisory_xact_lock_shared($5) AS member,
-       ARRAY(SELECT s FROM held WHERE m.held AND pg_try_advisory_xact_lock($3::bigint::int, s)
-             ORDER BY s) AS shards
-FROM member m
-
--- name: shard_fence_release
--- Before a fenced transaction that ran user SQL ends (as fence_restore): drop one
--- session-level hold of each of the member's locks; shard_fence_retake takes them again,
--- at once (the transaction's own holds keep them meanwhile). False where SQL had
--- released one already.
-SELECT bool_and(held) AS held FROM (
-    SELECT pg_advisory_unlock($1::bigint::int, ($2::bigint - (($2::bigint >> 31) << 32))::int)
-        AS held
-    UNION ALL SELECT pg_advisory_unlock_shared($5)
-    UNION ALL SELECT pg_advisory_unlock($3::bigint::int, s) FROM unnest($4::int[]) AS s
-) u
-
--- name: shard_fence_retake
-SELECT count(*) AS taken FROM (
-    SELECT pg_advisory_lock($1::bigint::int, ($2::bigint - (($2::bigint >> 31) << 32))::int)
-    UNION ALL SELECT pg_advisory_lock_shared($5)
-    UNION ALL SELECT pg_advisory_lock($3::bigint::int, s) FROM unnest($4::int[]) AS s
-) u
 
 -- name: shard_try_lock
 -- The shards of :shards this session could take now (class :shard_class), each now held by it.

@@ -40,8 +40,9 @@ WAIT_PROCEDURES = (
 )
 
 
-# Session mode's fence on pooled connections (migration 0015, leadership/token_fence.py).
-FENCE_FUNCTION = "scheduler_fence"
+# Session mode's fences on pooled connections: a loop's (migration 0015,
+# leadership/token_fence.py) and a sharded member's (migration 0016, shard_lease.py).
+FENCE_FUNCTIONS = ("scheduler_fence", "scheduler_fence_shards")
 
 # The run history's upkeep (migration 0012), run by the built-in purge_runs: it makes and
 # drops partitions as the tables' owner (SECURITY DEFINER), and only granted roles may call it.
@@ -65,7 +66,8 @@ def required_grants(
     if loops and session:
         for procedure in WAIT_PROCEDURES:
             grant(procedure, "EXECUTE", kind="procedure")
-        grant(FENCE_FUNCTION, "EXECUTE", kind="function")
+        for function in FENCE_FUNCTIONS:
+            grant(function, "EXECUTE", kind="function")
     for loop in loops:
         # Taking leadership: the leaders row is upserted (and deleted by a graceful
         # release of a session lock), and the loop's fencing token drawn and recorded.

@@ -107,17 +107,20 @@ def positional(backend: Backend, query: str) -> tuple[str, tuple[str, ...]]:
     return text, tuple(order)
 
 
-def formatted(text: str, **values: int | str) -> str:
+def formatted(text: str, **values: int | str | tuple[int, ...]) -> str:
     """A named block's text with each ``{name}`` placeholder replaced by ``values[name]``.
 
     For the statements that take no bind parameters (``SET``, ``PRAGMA``, and what is sent
     with them in one round trip), whose values must be part of the text. Integers (not
     bools), or a name of the daemon's own (a loop's fencing row, ``plugin/7``) written as a
-    quoted literal: lowercase letters, digits, ``_`` and ``/`` only, so nothing written
-    here can be read as SQL. Every placeholder must be given a value, and every value must
-    have a placeholder."""
+    quoted literal: lowercase letters, digits, ``_`` and ``/`` only; or a tuple of integers,
+    as an array literal (``'{1,2}'``): so nothing written here can be read as SQL. Every
+    placeholder must be given a value, and every value must have a placeholder."""
     for name, value in values.items():
-        if type(value) is str:
+        if type(value) is tuple:
+            if not all(type(each) is int for each in value):
+                raise TypeError(f"{{{name}}} takes a tuple of ints only")
+        elif type(value) is str:
             if not _SAFE_NAME.fullmatch(value):
                 raise ValueError(f"{{{name}}} takes a name of [a-z0-9_/], not {value!r}")
         elif type(value) is not int:
@@ -126,7 +129,9 @@ def formatted(text: str, **values: int | str) -> str:
     if used != set(values):
         raise ValueError(f"placeholders {sorted(used)}, values given for {sorted(values)}")
 
-    def literal(value: int | str) -> str:
+    def literal(value: int | str | tuple[int, ...]) -> str:
+        if isinstance(value, tuple):
+            return "'{" + ",".join(map(str, value)) + "}'"
         return f"'{value}'" if isinstance(value, str) else str(value)
 
     return _PLACEHOLDER.sub(lambda match: literal(values[match[1]]), text)

@@ -143,8 +143,9 @@ class SessionLease(LeaseState):
         log: Logger,
         on_lost: Callable[[str, bool], None],
         schema: SchemaGate,
-        pool: asyncpg.Pool | None = None,
-        loop: str = "",
+        *,
+        pool: asyncpg.Pool,
+        loop: str,
     ) -> None:
         super().__init__(fencing_token, settings, log, on_lost)
         self.schema = schema
@@ -153,20 +154,16 @@ class SessionLease(LeaseState):
         self.backend_pid = backend_pid
         self.since = since
         # One user of the lock connection at a time: a heartbeat, or (a sharded member's)
-        # a fenced transaction. Within a transaction, one statement at a time (the
-        # statement lock): between two of them a heartbeat may talk on the connection too.
+        # the rebalancer taking or letting go of shards. Within a transaction, one
+        # statement at a time (the statement lock): between two of them a heartbeat may
+        # talk on the connection too.
         self.transaction_lock = asyncio.Lock()
         self.statement_lock = asyncio.Lock()
-        # The leader's fenced transactions, on the pool, by fencing row ``loop`` (None:
-        # a sharded member, whose transactions are fenced by its shard locks on the lock
-        # connection).
-        self.fence = (
-            None
-            if pool is None
-            else TokenFence(
-                pool, loop, fencing_token, settings, schema, log,
-                lambda reason: self.lose(reason, lock_may_be_free=True),
-            )
+        # The leader's fenced transactions, on the pool, by fencing row ``loop`` (a sharded
+        # member's, by its shards' rows: leadership/shard_lease.py).
+        self.fence = TokenFence(
+            pool, loop, fencing_token, settings, schema, log,
+            lambda reason: self.lose(reason, lock_may_be_free=True),
         )  # fmt: skip
 
     @asynccontextmanager
@@ -177,7 +174,6 @@ class SessionLease(LeaseState):
 
         ``only_ours`` (the loops' own bookkeeping): no user SQL runs, so the transaction
         needs none of the pool's places kept for it, nor the session clean-up after it."""
-        assert self.fence is not None, "a member's transactions are its own (shard_lease.py)"
         self._closed_already()
         if self.lost.is_set():
             raise LeadershipLost(self.reason or "lost")
@@ -190,10 +186,6 @@ class SessionLease(LeaseState):
 
     @asynccontextmanager
     async def statements(self) -> AsyncIterator[PgTx]:
-        if self.fence is None:  # a sharded member: its transactions are its fence
-            async with self.transaction(only_ours=True) as tx:
-                yield tx
-            return
         self._closed_already()
         if self.lost.is_set():
             raise LeadershipLost(self.reason or "lost")
@@ -216,8 +208,7 @@ class SessionLease(LeaseState):
         fenced transactions'): asyncpg waits for a cancelled statement's cancellation to
         land, which on a dead socket it never does."""
         self.conn.terminate()
-        if self.fence is not None:
-            self.fence.terminate()
+        self.fence.terminate()
 
     def _fence_broken(self, reason: str) -> None:
         self.lose(reason, lock_may_be_free=True)
@@ -290,7 +281,15 @@ class SessionGuard(GuardBase[PostgresStore]):
             self.schema.check(found.schema_version, self.log, "lock granted")
             predecessor = found if found.instance is not None else None
             instance = self.settings.instance_id
-            drawn = await locks.draw_token(fencing_row(self.loop, self.key), instance)
+            row = fencing_row(self.loop, self.key)
+            drawn = await locks.draw_token(row, instance)
+            if row == self.loop:
+                # Members of a sharded layout that led before (their sessions are gone, or
+                # we would not hold the key) may still have fenced transactions open, each
+                # fenced by its shard's row: moved on, which waits for them and fails any
+                # later one. (A shard's row is named for the loop, not the key: a
+                # deployment on a key of its own leaves them to the default key's.)
+                await locks.supersede(self.loop, None)
             claimed = await locks.claim_leadership(
                 self.loop, self.key, instance=instance, hostname=socket.gethostname(),
                 pid=os.getpid(), token=drawn.token,

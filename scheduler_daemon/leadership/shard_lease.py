@@ -2,12 +2,17 @@
 session) and its leadership of each shard it holds (``ShardLease``).
 
 A member's ticks run under the ``MemberLease``, over its active shards; each shard's runs
-are that ``ShardLease``'s work, stopped when the shard is lost or handed over. Every
-fenced transaction of a member (``MemberLease.fenced``) checks, in its first statement,
-the member lock and each shard it is for, and holds all of them at transaction level (so that
-SQL run in it cannot free them); the heartbeat's answer (``observe``) and each fence say
-which shards are still held and whether the members changed. leadership/shards.py (the
-guard) joins, watches and leaves; leadership/shard_rebalance.py takes and hands over.
+are that ``ShardLease``'s work, stopped when the shard is lost or handed over.
+
+The lock connection only holds and proves the member's locks (the heartbeat's answer,
+``observe``, says which shards are still held and whether the members changed). Every
+fenced transaction of a member (``MemberLease.fenced``) runs on a pooled connection,
+several at once, and checks in its first statement each shard it is for
+(:class:`ShardCheck`): the shard's fencing row FOR SHARE, its token still the one this
+member drew when it took the shard. The shard's next owner draws a new token before its
+first claim, which waits for those transactions and fails every later one: the loop's
+token fence (leadership/token_fence.py), per shard. leadership/shards.py (the guard)
+joins, watches and leaves; leadership/shard_rebalance.py takes and hands over.
 """
 
 from __future__ import annotations
@@ -20,18 +25,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..db.base import ShardScope
-from ..db.lock_store import MemberLocks, MemberState, PgLockStore
-from ..db.postgres import FENCED_ISOLATION, PgTx, statement_locked_transaction
-from ..errors import describe
+from ..db.lock_store import MemberLocks, MemberState
+from ..db.postgres import PgTx
+from ..db.sqlfiles import formatted, queries
 from .assignment import Member
 from .base import ClaimScope, LeadershipLost, Lease, LeaseState
 from .postgres_session import SessionLease
 from .shard_keys import ShardKeys
+from .token_fence import FenceCheck
 
 if TYPE_CHECKING:
     from ..metrics import Metrics
 
 T = TypeVar("T")
+QUERIES = queries("postgres")
 
 # Why a member looked again, as NOTIFY payloads and the `reason` of shard.acquired.
 REASONS = frozenset({"member_joined", "member_left", "member_gone", "shard_released"})
@@ -43,6 +50,48 @@ class View:
 
     members: tuple[Member, ...]
     holders: dict[int, int]  # shard -> backend pid
+
+
+@dataclass(frozen=True, slots=True)
+class ShardCheck:
+    """The fence of a member's transaction (leadership/token_fence.py's
+    :class:`FenceCheck`): each of ``leases``' shards' fencing rows of ``loop`` FOR SHARE,
+    each token still the one its lease drew (``scheduler_fence_shards``, migration 0016).
+    ``require_all``: a shard superseded refuses the transaction; else it goes on for the
+    others."""
+
+    loop: str
+    count: int
+    leases: tuple[ShardLease, ...]
+    require_all: bool
+
+    @property
+    def token(self) -> int | None:
+        return self.leases[0].fencing_token if len(self.leases) == 1 else None
+
+    @property
+    def scope(self) -> ShardScope:
+        return ShardScope(self.count, {s.shard: s.fencing_token for s in self.leases})
+
+    def statement(self, *, stall_ms: int, check_ms: int, newest: int) -> str:
+        ordered = sorted(self.leases, key=lambda lease: lease.shard)
+        return formatted(
+            QUERIES["shard_token_fence"], stall_ms=stall_ms, check_ms=check_ms, loop=self.loop,
+            shards=tuple(s.shard for s in ordered),
+            tokens=tuple(s.fencing_token for s in ordered), newest=newest,
+        )  # fmt: skip
+
+    def superseded(self, detail: str) -> FenceCheck:
+        gone = {int(shard) for shard in detail.split(",") if shard.strip()}
+        lost = [lease for lease in self.leases if lease.shard in gone]
+        if not lost:  # not an answer about these shards: nothing to go on with
+            raise LeadershipLost(f"the shard fence refused shards {detail!r}")
+        for lease in lost:
+            lease.lose("a newer owner drew its shard's fencing token", lock_may_be_free=True)
+        if self.require_all:
+            raise LeadershipLost("a newer owner drew its shard's fencing token")
+        rest = tuple(lease for lease in self.leases if lease.shard not in gone)
+        return ShardCheck(self.loop, self.count, rest, self.require_all)
 
 
 class ShardLease(LeaseState):
@@ -87,8 +136,9 @@ class MemberLease(SessionLease):
         self.keys = keys
         self.metrics = metrics
         self.member_objid = keys.member_objid(self.backend_pid)
-        self.locks = MemberLocks(keys.member_class, self.member_objid, keys.shard_class, self.key)
+        self.locks = MemberLocks(keys.member_class, self.member_objid, keys.shard_class)
         self.shards: dict[int, ShardLease] = {}
+        self.claiming = asyncio.Lock()  # a tick's claim, until its runs are started
         self.view: View | None = None
         self.rebalance = asyncio.Event()  # look at the members again now
         self.rebalance_reason: str | None = None  # what asked, when it says (the watch)
@@ -112,11 +162,19 @@ class MemberLease(SessionLease):
         return [s for s in self.shards.values() if not s.draining and not s.lost.is_set()]
 
     def claim_scope(self, *, self_fenced: bool) -> ClaimScope:
-        # A member's statements do not fence themselves: one transaction on the lock
-        # connection fences all its active shards at once.
+        # A member's statements do not fence themselves: one transaction fences all its
+        # active shards at once.
         shards = self.active_shards()
         leases: dict[int | None, Lease] = {s.shard: s for s in shards}
-        return ClaimScope(self.fenced(shards, only_ours=True), False, leases)
+        return ClaimScope(self._claiming(shards), False, leases)
+
+    @asynccontextmanager
+    async def _claiming(self, shards: Sequence[ShardLease]) -> AsyncIterator[PgTx]:
+        # Held until the tick has started what it claimed (the tick starts its runs as
+        # soon as this ends, without awaiting): a hand-over waits for it, and then finds
+        # every run of its shard among the shard's work.
+        async with self.claiming, self.fenced(shards, only_ours=True) as tx:
+            yield tx
 
     def wake_on_gain(self, wake: Callable[[], None]) -> None:
         self.wake_loop = wake
@@ -144,85 +202,36 @@ class MemberLease(SessionLease):
     ) -> AbstractAsyncContextManager[PgTx]:
         return self.fenced(self.active_shards(), only_ours=only_ours)
 
+    def statements(  # type: ignore[override]  # a context manager, built another way
+        self,
+    ) -> AbstractAsyncContextManager[PgTx]:
+        # No statement of a member fences itself: a transaction does, for its shards.
+        return self.fenced(self.active_shards(), only_ours=True)
+
     @asynccontextmanager
     async def fenced(
         self, shards: Sequence[ShardLease], *, only_ours: bool, require_all: bool = False
     ) -> AsyncIterator[PgTx]:
-        """A transaction on the lock connection, fenced for ``shards`` (those of them the
-        session still holds: a shard found lost is lost from here on; ``require_all``: then
-        the transaction is refused). Its PgTx carries their scope, which the plugin
-        loop's statements keep to."""
-        async with self.transaction_lock:
-            self._closed_already()
-            if self.lost.is_set():
-                raise LeadershipLost(self.reason or "lost")
-            try:
-                async with statement_locked_transaction(
-                    self.conn, self.statement_lock, FENCED_ISOLATION
-                ):
-                    # User SQL may run (a task's, not only_ours): then every lock of the
-                    # member is held by the transaction, not just these shards' (SQL that
-                    # unlocks everything must not free the others for a moment either).
-                    asked = [s.shard for s in shards]
-                    if not only_ours:
-                        asked = sorted(s.shard for s in self.shards.values() if not s.unlocking)
-                    sent = time.monotonic()
-                    async with self.statement_lock:
-                        fence = await PgLockStore(self.conn).fence_shards(self.locks, asked)
-                    if not fence.member:
-                        self._fence_broken("the lock connection is no longer a member")
-                    self.last_proven = sent
-                    self.schema.check(fence.schema_version, self.log, "fence")
-                    self.note_members(fence.members)
-                    held = set(fence.shards)
-                    for shard in shards:
-                        if shard.shard not in held:
-                            shard.lose("its shard lock is no longer held", lock_may_be_free=True)
-                    live = [s for s in shards if s.shard in held]
-                    if require_all and len(live) < len(shards):
-                        raise LeadershipLost("its shard lock is no longer held")
-                    scope = ShardScope(self.keys.count, {s.shard: s.fencing_token for s in live})
-                    token = live[0].fencing_token if len(live) == 1 else None
-                    tx = PgTx(self.conn, token, self.statement_lock, scope)
-                    if only_ours:
-                        yield tx
-                        return
-                    try:
-                        async with statement_locked_transaction(self.conn, self.statement_lock):
-                            yield tx
-                    finally:
-                        async with self.statement_lock:
-                            await self._restore_all(sorted(held))
-            except BaseException:
-                self._closed_already()
-                raise
-
-    async def _restore_all(self, shards: list[int]) -> None:
-        """As the session lease's restore, for every lock the member holds."""
-        if self.lost.is_set() or self.conn.is_closed():
-            return
-        locks = PgLockStore(self.conn)
+        """A fenced transaction on a pooled connection, for ``shards`` (those of them whose
+        token is still their shard's: a shard found superseded is lost from here on;
+        ``require_all``: then the transaction is refused). Its PgTx carries their scope,
+        which the plugin loop's statements keep to. Several run at once; none on the lock
+        connection, which only holds and proves the locks."""
+        self._closed_already()
+        if self.lost.is_set():
+            raise LeadershipLost(self.reason or "lost")
+        check = ShardCheck(self.fence.loop, self.keys.count, tuple(shards), require_all)
         try:
-            async with asyncio.timeout(self.settings.database.connect_timeout):
-                if self.conn.is_in_transaction():
-                    kept = await locks.release_member_locks(self.locks, shards)
-                    await locks.retake_member_locks(self.locks, shards)
-                    if not kept:
-                        self.log.warning(
-                            "leader.lock_restored",
-                            hint="SQL run in a fenced transaction released the member's "
-                            "locks (pg_advisory_unlock_all?); they were held throughout and "
-                            "are held again",
-                        )
-                    return
-                # SQL ended the transaction (COMMIT): look, do not touch.
-                state = await locks.member_state(self.backend_pid, self.locks)
-                if not state.member or not set(shards) <= set(state.shards):
-                    self._fence_broken("SQL in a fenced transaction ended it and the locks")
-        except LeadershipLost:
+            async with self.fence.transaction(only_ours=only_ours, check=check) as tx:
+                yield tx
+        except BaseException:
+            self._closed_already()
             raise
-        except Exception as exc:  # fail closed: unsure is lost
-            self._fence_broken(f"could not restore the fence: {describe(exc)}")
+
+    def unblock_shard(self, shard: ShardLease) -> None:
+        """Drop the connections of the transactions fenced for ``shard`` (its stopped
+        work may wait on them), not the member's others."""
+        self.fence.terminate(shard.shard)
 
     def observe(self, state: MemberState, sent: float) -> bool:
         """Take in a heartbeat's answer (asked at ``sent``): shards it no longer lists are

@@ -158,12 +158,12 @@ class Rebalancer:
             taken = await PgLockStore(conn).try_lock_shards(self.keys.shard_class, wanted)
             if not taken:
                 return
-            try:
-                tokens, stale = await self._claim(conn, taken)
-            except BaseException:
-                await self._give_back(lease, taken, locked=True)
-                raise
         try:
+            # Drawn on the pool: a draw waits for the old owner's fenced transactions
+            # still open, and the heartbeat goes on on the lock connection meanwhile.
+            tokens, stale = await self._claim(taken)
+            async with lease.transaction_lock, lease.statement_lock:
+                await self._record(conn, tokens)
             waited = await self._settle_all(stale)
             # Members may have come and gone while we waited (the others coming back after
             # a restart): a shard that is no longer ours goes on to its owner before any
@@ -174,7 +174,7 @@ class Rebalancer:
                 me = next((m for m in view.members if m.pid == lease.backend_pid), None)
                 mine = set(assign(view.members, self.keys.count).get(me, [])) if me else set()
         except BaseException:
-            await self._give_back(lease, taken, locked=False)
+            await self._give_back(lease, taken)
             raise
         own = {leader.loop: waited[_who(leader)] for leader in stale}
         for shard in taken:
@@ -194,22 +194,19 @@ class Rebalancer:
         self._owned(lease)
         lease.wake_loop()
 
-    async def _give_back(self, lease: MemberLease, shards: list[int], *, locked: bool) -> None:
+    async def _give_back(self, lease: MemberLease, shards: list[int]) -> None:
         """Shards taken whose setup failed: never left held and led by nobody. Their rows
         go, then their locks (or the connection, and every lock with it)."""
         try:
-            if locked:  # the caller holds transaction_lock and the statement_lock
+            async with lease.transaction_lock, lease.statement_lock:
                 await self._unlock(lease, shards)
-            else:
-                async with lease.transaction_lock, lease.statement_lock:
-                    await self._unlock(lease, shards)
         except BaseException:
             lease.conn.terminate()
             raise
 
     async def _release_untaken(self, lease: MemberLease, shards: list[int]) -> None:
         self.log.warning("shard.released", shards=shards, reason="never_set_up")
-        await self._give_back(lease, shards, locked=False)
+        await self._give_back(lease, shards)
 
     async def _unlock(self, lease: MemberLease, shards: list[int]) -> None:
         if lease.lost.is_set():
@@ -248,33 +245,42 @@ class Rebalancer:
         _, sep, shard = loop.partition("/")
         return bool(sep) and shard.isdigit() and int(shard) < self.keys.count
 
-    async def _claim(
-        self, conn: asyncpg.Connection, shards: list[int]
-    ) -> tuple[dict[int, int], list[StaleLeader]]:
+    async def _claim(self, shards: list[int]) -> tuple[dict[int, int], list[StaleLeader]]:
         """Per shard taken, its token; and the rows of every leader of the loop that did
         not hand over and whose session no longer holds what it led. Not only these
         shards' last leaders: a leader of another layout (the loop unsharded, or another
         shard count) may still be stopping runs of schedules that are in these shards
-        now. (A dead one's sessions are gone in milliseconds: no wait.)"""
+        now. (A dead one's sessions are gone in milliseconds: no wait.)
+
+        Each shard's draw waits for the transactions its old owner still has open, fenced
+        by the shard's row, and fails every later one (leadership/shard_lease.py): drawn
+        in shard order, as the fence takes the rows, so the two never wait in a cycle."""
         tokens: dict[int, int] = {}
         me = (self.instance, os.getpid())
-        locks = PgLockStore(conn)
-        async with conn.transaction():
+        async with self.store.pool.acquire() as conn, conn.transaction():
+            locks = PgLockStore(conn)
             stale = [
                 leader
                 for leader in await locks.stale_leaders(self.loop, self.keys.shard_class)
                 if (leader.instance, leader.pid) != me
             ]
-            for shard in shards:
+            for shard in sorted(shards):
                 name, key = f"{self.loop}/{shard}", self.keys.lock_key(shard)
                 found = await locks.predecessor(name, key)
                 self.schema.check(found.schema_version, self.log, "lock granted")
                 tokens[shard] = (await locks.draw_token(name, self.instance)).token
-                await locks.claim_leadership(
-                    name, key, instance=self.instance, hostname=socket.gethostname(),
-                    pid=os.getpid(), token=tokens[shard],
-                )  # fmt: skip
         return tokens, stale
+
+    async def _record(self, conn: asyncpg.Connection, tokens: dict[int, int]) -> None:
+        """Ourselves as each shard's leader, with its token: on the lock connection,
+        whose backend pid is what a successor asks after."""
+        locks = PgLockStore(conn)
+        async with conn.transaction():
+            for shard, token in tokens.items():
+                await locks.claim_leadership(
+                    f"{self.loop}/{shard}", self.keys.lock_key(shard), instance=self.instance,
+                    hostname=socket.gethostname(), pid=os.getpid(), token=token,
+                )  # fmt: skip
 
     async def hand_over(self, lease: MemberLease, shard: ShardLease, reason: str) -> None:
         """Give ``shard`` up: no more claims, its runs end (or are stopped), their results
@@ -294,8 +300,8 @@ class Rebalancer:
     async def _give_up(self, lease: MemberLease, shard: ShardLease, reason: str) -> None:
         started = time.monotonic()
         # A tick fenced for it before it was marked draining has started its runs by the
-        # time it lets the connection go: they are the shard's work from here on.
-        async with lease.transaction_lock:
+        # time it lets go of its claim: they are the shard's work from here on.
+        async with lease.claiming:
             pass
         pending = {task for task in shard._work if not task.done()}
         if pending and not shard.lost.is_set():
@@ -305,7 +311,7 @@ class Rebalancer:
                 shard.lose(
                     f"handed over: runs still running after {timeout:g}s", lock_may_be_free=False
                 )
-        await shard.stop_work(unblock=lease.conn.terminate)
+        await shard.stop_work(unblock=lambda: lease.unblock_shard(shard))
         shard.unlocking = True
         async with lease.transaction_lock, lease.statement_lock:
             if not lease.lost.is_set():

@@ -65,6 +65,7 @@ from .postgres_session import (
 from .shard_keys import ShardKeys
 from .shard_lease import MemberLease
 from .shard_rebalance import Rebalancer
+from .token_fence import fencing_row
 
 if TYPE_CHECKING:
     from ..db.listen import Listener
@@ -99,13 +100,15 @@ class ShardedSessionGuard(SessionGuard):
         try:
             await self._limit_session(conn)
             backend_pid = await self._join(conn)
+            await self._supersede_unsharded(conn)
             since = await PgLockStore(conn).now()
         except BaseException:
             conn.terminate()
             raise
         lease = MemberLease(
             conn, self.key, backend_pid, since, 0, self.settings, self.log,
-            self._report_lost, self.schema, keys=self.keys, metrics=self.metrics,
+            self._report_lost, self.schema, pool=self.store.pool, loop=self.loop,
+            keys=self.keys, metrics=self.metrics,
         )  # fmt: skip
         lease.hand_over = lambda shard, reason: self.rebalancer.hand_over(lease, shard, reason)
         on_closed = self._on_closed(lease)
@@ -186,6 +189,13 @@ class ShardedSessionGuard(SessionGuard):
                 )  # fmt: skip
             if await wait_any([self.stop, self.schema.newer], self.lock.poll_interval):
                 raise Stopping if self.stop.is_set() else self.schema.error()
+
+    async def _supersede_unsharded(self, conn: asyncpg.Connection) -> None:
+        """A member, joined: no transaction of a leader of the loop unsharded (whose lock
+        session has ended, or we would not have joined) commits from now on. Its fenced
+        transactions are on pooled connections, fenced by the loop's own row, which no
+        shard's draw touches: moved on here, which waits for those still open."""
+        await PgLockStore(conn).supersede(self.loop, [fencing_row(self.loop, self.key)])
 
     async def _leave(self, lease: MemberLease, graceful: bool) -> None:
         shards = sorted(lease.shards)

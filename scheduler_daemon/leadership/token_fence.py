@@ -13,7 +13,9 @@ first statement by the loop's fencing token (``scheduler_fence``, migration 0015
   the new token and fails before doing anything.
 
 So no transaction of a replaced leader commits after its successor's first fenced
-statement, whatever the old leader's connections still do: the database orders them. The
+statement, whatever the old leader's connections still do: the database orders them. A
+sharded member's transactions are fenced the same way per shard (:class:`FenceCheck`:
+each shard's row, ``scheduler_fence_shards``; leadership/shard_lease.py). The
 lock connection's session lock still decides who leads; the token decides whose writes
 count. A holder frozen inside a transaction is cut off by the server after
 ``stall_timeout`` (the transaction's ``idle_in_transaction_session_timeout``), and its
@@ -35,12 +37,14 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import asyncpg
 
 from ..config.settings import Settings
 from ..config.values import DEFAULT_PLUGIN_KEY, DEFAULT_PUBLISH_KEY
+from ..db.base import ShardScope
 from ..db.lock_store import PgLockStore
 from ..db.postgres import PgTx
 from ..db.sqlfiles import formatted, queries
@@ -73,6 +77,52 @@ def fencing_row(loop: str, key: int) -> str:
     if key == DEFAULT_KEYS.get(loop):
         return loop
     return f"{loop}/key_{key & 0xFFFF_FFFF_FFFF_FFFF:x}"
+
+
+class FenceCheck(Protocol):
+    """What a fenced transaction's first statement checks: the loop's token
+    (:class:`LoopCheck`), or each of a sharded member's shards' (leadership/shard_lease.py)."""
+
+    @property
+    def token(self) -> int | None:
+        """The transaction's fencing token (None: several shards, each its own)."""
+        ...
+
+    @property
+    def scope(self) -> ShardScope | None:
+        """The shards the transaction is for (None: the whole loop)."""
+        ...
+
+    def statement(self, *, stall_ms: int, check_ms: int, newest: int) -> str:
+        """The settings and the check, sent with BEGIN in one round trip."""
+        ...
+
+    def superseded(self, detail: str) -> FenceCheck:
+        """The check found tokens superseded (SDF01, ``detail`` its DETAIL): the check to
+        try again with, for what is still ours; or raise :class:`LeadershipLost`."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class LoopCheck:
+    """A loop's fencing row (``fencing_row``), its token ``token``; ``lose`` ends the
+    leadership when a successor drew another."""
+
+    loop: str
+    token: int
+    lose: Callable[[str], object]
+    scope: None = None
+
+    def statement(self, *, stall_ms: int, check_ms: int, newest: int) -> str:
+        return formatted(
+            QUERIES["token_fence"], stall_ms=stall_ms, check_ms=check_ms, loop=self.loop,
+            token=self.token, newest=newest,
+        )  # fmt: skip
+
+    def superseded(self, detail: str) -> FenceCheck:
+        reason = "a newer leader drew the loop's fencing token"
+        self.lose(reason)
+        raise LeadershipLost(reason)
 
 
 class SqlEndedFence(RuntimeError):
@@ -122,8 +172,14 @@ class PooledTx(PgTx):
     a statement's own timeout is set for the transaction and sent with the statement, in
     one round trip, and put back after it in the same message."""
 
-    def __init__(self, conn: asyncpg.Connection, token: int, statement_lock: asyncio.Lock):
-        super().__init__(conn, token, statement_lock)
+    def __init__(
+        self,
+        conn: asyncpg.Connection,
+        token: int | None,
+        statement_lock: asyncio.Lock,
+        shards: ShardScope | None,
+    ):
+        super().__init__(conn, token, statement_lock, shards)
         self._savepoints = 0
 
     def _statement(self) -> asyncio.Lock:
@@ -188,32 +244,39 @@ class TokenFence:
         # User SQL may hold a connection for as long as its task runs: never all of them.
         places = max(1, settings.database.pool_max_size - RESERVED_CONNECTIONS)
         self._user_places = asyncio.Semaphore(places)
-        self._in_use: set[asyncpg.Connection] = set()
+        # Connections in use, each with the shards its transaction is fenced for (None: the
+        # whole loop), so that stopping one shard's work drops only its connections.
+        self._in_use: dict[asyncpg.Connection, frozenset[int] | None] = {}
+        self._loop_check = LoopCheck(loop, token, lose)
         self._statement_fence = {
             "fence_loop": loop, "fence_token": token, "fence_newest": schema.newest
         }  # fmt: skip
 
-    def terminate(self) -> None:
-        """Drop every connection a fenced transaction holds: what asyncpg waits for on a
-        dead socket (a cancellation that never lands) ends at once. The server rolls back
-        what they had begun."""
-        for conn in list(self._in_use):
-            conn.terminate()
+    def terminate(self, shard: int | None = None) -> None:
+        """Drop every connection a fenced transaction holds (``shard``: those fenced for
+        that shard): what asyncpg waits for on a dead socket (a cancellation that never
+        lands) ends at once. The server rolls back what they had begun."""
+        for conn, shards in list(self._in_use.items()):
+            if shard is None or shards is None or shard in shards:
+                conn.terminate()
 
     @asynccontextmanager
-    async def transaction(self, *, only_ours: bool = False) -> AsyncIterator[PgTx]:
-        """A fenced transaction. ``only_ours``: the loops' bookkeeping, never user SQL
-        (which waits for one of the pool's places left to it, and leaves the session as
-        it found it)."""
+    async def transaction(
+        self, *, only_ours: bool = False, check: FenceCheck | None = None
+    ) -> AsyncIterator[PgTx]:
+        """A fenced transaction, by the loop's token or by ``check``. ``only_ours``: the
+        loops' bookkeeping, never user SQL (which waits for one of the pool's places left
+        to it, and leaves the session as it found it)."""
         places = contextlib.nullcontext() if only_ours else self._user_places
+        check = check or self._loop_check
         async with places:
             conn = await self.pool.acquire()
             # In use (terminated by ``terminate``) until it is back in the pool: giving it
             # back waits for a cancelled statement to end, which on a dead socket it never
             # does.
-            self._in_use.add(conn)
+            self._in_use[conn] = _shards_of(check)
             try:
-                async with self._fenced(conn, only_ours) as tx:
+                async with self._fenced(conn, only_ours, check) as tx:
                     yield tx
             finally:
                 await self._release(conn)
@@ -226,7 +289,7 @@ class TokenFence:
         single-statement bookkeeping: a tick's claim, a result batch). Reads need no fence;
         any other write is refused here, unfenced."""
         conn = await self.pool.acquire()
-        self._in_use.add(conn)
+        self._in_use[conn] = None
         try:
             yield SelfFencedTx(conn, self.token, fence=self._statement_fence)
         except asyncpg.PostgresError as exc:
@@ -238,19 +301,20 @@ class TokenFence:
     def _superseded(self, exc: asyncpg.PostgresError) -> None:
         """What scheduler_fence said, as what it means here (a loss, a newer schema)."""
         if exc.sqlstate == SUPERSEDED:
-            reason = "a newer leader drew the loop's fencing token"
-            self.lose(reason)
-            raise LeadershipLost(reason) from None
+            self._loop_check.superseded(exc.detail or "")
         if exc.sqlstate == SCHEMA_NEWER:
             self.schema.check(int(exc.detail or 0), self.log, "fence")
 
     @asynccontextmanager
-    async def _fenced(self, conn: asyncpg.Connection, only_ours: bool) -> AsyncIterator[PgTx]:
-        await self._begin(conn)
+    async def _fenced(
+        self, conn: asyncpg.Connection, only_ours: bool, check: FenceCheck
+    ) -> AsyncIterator[PgTx]:
+        check = await self._begin(conn, check)
+        self._in_use[conn] = _shards_of(check)
         statement_lock = asyncio.Lock()
         keeper = asyncio.create_task(self._keep_alive(conn, statement_lock))
         try:
-            yield PooledTx(conn, self.token, statement_lock)
+            yield PooledTx(conn, check.token, statement_lock, check.scope)
         except BaseException:
             await _stopped(keeper)
             await self._end(conn, "ROLLBACK", only_ours)
@@ -268,7 +332,7 @@ class TokenFence:
         except Exception as exc:
             self.log.debug("fence.release_failed", error=describe(exc))
         finally:
-            self._in_use.discard(conn)
+            self._in_use.pop(conn, None)
 
     async def _keep_alive(self, conn: asyncpg.Connection, statement_lock: asyncio.Lock) -> None:
         """While the transaction's owner awaits something else (a task inside
@@ -285,21 +349,24 @@ class TokenFence:
                 except asyncpg.PostgresError:
                     return  # the transaction failed: its owner rolls it back
 
-    async def _begin(self, conn: asyncpg.Connection) -> None:
-        fence = formatted(
-            QUERIES["token_fence"],
-            stall_ms=round(self.settings.lock.stall_timeout * 1000),
-            check_ms=CLIENT_CHECK_MS,
-            loop=self.loop,
-            token=self.token,
-            newest=self.schema.newest,
-        )
-        try:
-            await conn.execute(";\n".join(("BEGIN", fence)))
-        except asyncpg.PostgresError as exc:
-            await self._end(conn, "ROLLBACK", only_ours=True)
-            self._superseded(exc)
-            raise
+    async def _begin(self, conn: asyncpg.Connection, check: FenceCheck) -> FenceCheck:
+        """BEGIN and the fence, in one round trip; the check that passed (a member's
+        shards found superseded are dropped from it, and it is tried again for the rest)."""
+        while True:
+            fence = check.statement(
+                stall_ms=round(self.settings.lock.stall_timeout * 1000),
+                check_ms=CLIENT_CHECK_MS,
+                newest=self.schema.newest,
+            )
+            try:
+                await conn.execute(";\n".join(("BEGIN", fence)))
+                return check
+            except asyncpg.PostgresError as exc:
+                await self._end(conn, "ROLLBACK", only_ours=True)
+                if exc.sqlstate != SUPERSEDED:
+                    self._superseded(exc)
+                    raise
+                check = check.superseded(exc.detail or "")
 
     async def _end(self, conn: asyncpg.Connection, how: str, only_ours: bool) -> None:
         """COMMIT or ROLLBACK; after user SQL, with whatever session state it may have
@@ -319,6 +386,10 @@ class TokenFence:
                 await conn.execute(text)
         except Exception:
             conn.terminate()  # cannot say: dropped, the server rolls back
+
+
+def _shards_of(check: FenceCheck) -> frozenset[int] | None:
+    return None if check.scope is None else frozenset(check.scope.tokens)
 
 
 async def _stopped(task: asyncio.Task[None]) -> None:

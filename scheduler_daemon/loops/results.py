@@ -4,9 +4,9 @@ member leads, not one per shard.
 With one leader, a tick's runs are one batch, whose results are written every
 ``RESULT_FLUSH_INTERVAL``. A sharded member starts a batch per shard (each is its shard's
 work: handing a shard over waits for its batch, results written, and losing it stops only
-its runs), and those batches' writes all queue on the member's one lock connection.
-Written one by one they cost a commit each: measured, 1.11 commits per run at 64 shards
-against 0.33 with one leader, and a member slower than one leader. So batches hand their
+its runs). Written one by one, those batches' writes cost a commit each: measured, 1.11
+commits per run at 64 shards against 0.33 with one leader (when they also queued on the
+member's lock connection, a member was slower than one leader). So batches hand their
 results here and wait for them to be written: whatever arrived while the last write was
 in flight goes in the next one (group commit), in one fenced transaction scoped to the
 shards those results belong to. A shard found lost by the fence gets its results back
