@@ -1084,10 +1084,16 @@ async def test_a_claim_aborted_by_a_deadlock_is_claimed_again(
                 for row in await conn.fetch("SELECT name, next_run_at FROM scheduler_plugin_tasks")
             }
             await conn.execute("SELECT FROM scheduler_plugin_tasks WHERE name = 'dl-a' FOR UPDATE")
-        failed = daemon.metrics.registry.get_sample_value(
-            "scheduler_ticks_total", {"loop": "plugin", "result": "failed"}
-        )
-        assert failed == 1, "the claim was aborted"
+
+        # The server aborted the claim (our FOR UPDATE got the row): the daemon hears of it
+        # a moment later, not necessarily before we look.
+        async def tick_failed() -> bool:
+            failed = daemon.metrics.registry.get_sample_value(
+                "scheduler_ticks_total", {"loop": "plugin", "result": "failed"}
+            )
+            return failed == 1
+
+        await until(tick_failed, "the tick whose claim was aborted to fail", 30)
 
         async def deadlocks() -> int:
             [row] = await db_pg.fetch(
