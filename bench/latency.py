@@ -173,7 +173,7 @@ def cpu_seconds(pids: Sequence[int]) -> float:
     return total
 
 
-def replica_env(probes: Path) -> dict[str, str]:
+def replica_env(probes: Path, shards: int = 1) -> dict[str, str]:
     tasks = [
         {"name": f"q{i:02d}", "every": "1s", "jitter": "1s", "sql": SQL.format(name=f"q{i:02d}")}
         for i in range(SQL_TASKS)
@@ -186,11 +186,14 @@ def replica_env(probes: Path) -> dict[str, str]:
         "SCHEDULER_PLUGIN__ENTRY_POINTS": "false",
         "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), str(ROOT)]),
         "BENCH_PROBES": str(probes),
-    }
+    } | ({"SCHEDULER_PLUGIN__SHARDS": str(shards)} if shards > 1 else {})
 
 
 async def wait_ready(
-    conn: asyncpg.Connection, replicas: Sequence[subprocess.Popen[bytes]], workdir: Path
+    conn: asyncpg.Connection,
+    replicas: Sequence[subprocess.Popen[bytes]],
+    workdir: Path,
+    shards: int = 1,
 ) -> None:
     """Until both loops have a leader, the runnable target is published (the plugin
     leader's take-over) and every replica has a session open across its link."""
@@ -201,13 +204,15 @@ async def wait_ready(
                 tail = log_tail(workdir / f"r{n}")
                 raise RuntimeError(f"replica r{n} exited {replica.returncode}:\n{tail}")
         ready = await conn.fetchval(
-            "SELECT (SELECT count(*) FROM scheduler_leaders) = 2 "
+            # The publish leader, and the plugin loop's (or each of its shards' leaders).
+            "SELECT (SELECT count(*) FROM scheduler_leaders) = $4 "
             "AND EXISTS (SELECT 1 FROM scheduler_runnable_targets WHERE target = $1) "
             "AND (SELECT count(DISTINCT client_addr) FROM pg_stat_activity "
             "     WHERE datname = current_database() AND client_addr << $2::cidr) = $3",
             PROBE,
             netns.TRUSTED_NETWORK,
             len(replicas),
+            1 + shards,
         )
         if ready:
             await asyncio.sleep(1.0)  # the take-over ticks' own work
@@ -296,7 +301,7 @@ class Rig:
 
 @asynccontextmanager
 async def running(
-    admin: str, net: netns.Namespaces, rtt_ms: float, workdir: Path
+    admin: str, net: netns.Namespaces, rtt_ms: float, workdir: Path, shards: int = 1
 ) -> AsyncIterator[Rig]:
     """The links set to `rtt_ms`, a fresh database and the replicas started and ready;
     on leaving, the replicas still alive stopped and the database dropped."""
@@ -313,7 +318,7 @@ async def running(
     await conn.execute(
         "CREATE TABLE bench_latency_sql (task text, slot timestamptz, at timestamptz)"
     )
-    env = replica_env(probes)
+    env = replica_env(probes, shards)
     replicas = [
         start_daemon(net.dsn(n, dsn), workdir / f"r{n}", only=None,
                      env=env | {"SCHEDULER_INSTANCE_ID": f"r{n}"}, prefix=net.argv(n, []))
@@ -321,7 +326,7 @@ async def running(
     ]  # fmt: skip
     delayers = [h.delayer.pid for h in net.hosts if h.delayer is not None]
     try:
-        await wait_ready(conn, replicas, workdir)
+        await wait_ready(conn, replicas, workdir, shards)
         yield Rig(dsn, conn, replicas, probes, delayers)
     finally:
         await asyncio.to_thread(stop_all, [r for r in replicas if r.poll() is None])
@@ -330,9 +335,14 @@ async def running(
 
 
 async def case(
-    admin: str, net: netns.Namespaces, rtt_ms: float, seconds: float, workdir: Path
+    admin: str,
+    net: netns.Namespaces,
+    rtt_ms: float,
+    seconds: float,
+    workdir: Path,
+    shards: int = 1,
 ) -> dict[str, Any]:
-    async with running(admin, net, rtt_ms, workdir) as setup:
+    async with running(admin, net, rtt_ms, workdir, shards) as setup:
         conn, replicas = setup.conn, setup.replicas
         rtt_idle = await measure_rtt(net, setup.dsn)
         t0, adding_s = await add_schedules(conn)
@@ -677,18 +687,22 @@ async def run(
     seconds: float,
     kill_rtt: float | None = None,
     kill_seconds: float = KILL_SECONDS,
+    shards: int = 1,
 ) -> dict[str, Any]:
-    """The RTT cases, then (``kill_rtt`` given) the SIGKILL case at that RTT."""
+    """The RTT cases, then (``kill_rtt`` given) the SIGKILL case at that RTT. ``shards``
+    > 1: the plugin loop sharded over the replicas (the RTT cases only)."""
     results: dict[str, Any] = {
         "code": code_version(),
         "replicas": REPLICAS,
+        "shards": shards,
         "seconds": seconds,
         "warmup_s": WARMUP,
         "cases": [],
     }
     for rtt in rtts:
         print(f"bench.latency: RTT {rtt:g} ms, {WARMUP:g} + {seconds:g} s", flush=True)
-        r = await case(admin, net, rtt, seconds, RESULTS / ".work" / "latency" / f"rtt{rtt:g}")
+        workdir = RESULTS / ".work" / "latency" / f"rtt{rtt:g}"
+        r = await case(admin, net, rtt, seconds, workdir, shards)
         results["cases"].append(r)
         print(f"bench.latency:   {row(r)}", flush=True)
     if kill_rtt is not None:
@@ -728,7 +742,13 @@ def report(results: dict[str, Any]) -> str:
         "",
         f"Commit {code['commit'][:12]}"
         + (f", with uncommitted changes to {', '.join(code['changed'])}" if code["changed"] else "")
-        + f". {results['replicas']} replicas (`scheduler-daemon run`, both loops, pool 10), "
+        + f". {results['replicas']} replicas (`scheduler-daemon run`, both loops, pool 10"
+        + (
+            f"; the plugin loop in {results['shards']} shards shared by them"
+            if results.get("shards", 1) > 1
+            else ""
+        )
+        + "), "
         "each in a network namespace whose link to PostgreSQL (durable, this host) delays "
         "each direction by RTT/2. All at once: 1,000 runtime schedules every 10 s of an "
         "async target awaiting 1 ms, 20 `sql` tasks every 1 s, 20 publications a second "
@@ -858,7 +878,15 @@ def main(argv: list[str] | None = None) -> None:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--no-kill", action="store_true", help="the RTT cases only")
     which.add_argument("--kill-only", action="store_true", help="the SIGKILL case only")
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="plugin.shards for the RTT cases (> 1: no SIGKILL case; saved as latency_shards)",
+    )
     args = parser.parse_args(argv)
+    if args.shards > 1 and args.kill_only:
+        parser.error("--shards runs the RTT cases only")
     rtts = args.rtts or ([0.0, 10.0] if args.quick else [0.0, 2.0, 10.0, 40.0])
     seconds = args.seconds or (10.0 if args.quick else 30.0)
     kill_seconds = args.kill_seconds or (QUICK_KILL_SECONDS if args.quick else KILL_SECONDS)
@@ -873,9 +901,10 @@ def main(argv: list[str] | None = None) -> None:
         net = stack.enter_context(netns.Namespaces(REPLICAS))
         results = asyncio.run(
             run(cluster.dsn(), net, [] if args.kill_only else rtts, seconds,
-                kill_rtt=None if args.no_kill else args.kill_rtt, kill_seconds=kill_seconds)
+                kill_rtt=None if args.no_kill or args.shards > 1 else args.kill_rtt,
+                kill_seconds=kill_seconds, shards=args.shards)
         )  # fmt: skip
-    save_results("latency", results, report, args.out)
+    save_results("latency_shards" if args.shards > 1 else "latency", results, report, args.out)
 
 
 if __name__ == "__main__":
