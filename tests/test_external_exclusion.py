@@ -309,7 +309,7 @@ def test_sql_that_drops_the_lock_cannot_end_the_fence(
     """A SQL task running pg_advisory_unlock_all() used to end leadership while its
     transaction still committed (and a standby took over beside the leader's runs). A
     leader's fenced transactions now run on pooled connections, fenced by the loop's token
-    (leadership/token_fence.py): the task's SQL runs in another session than the lock's,
+    (leadership/session_lease.py): the task's SQL runs in another session than the lock's,
     and unlocks nothing of it, on every path: the work commits, fails, or is cancelled by
     its timeout. The standby never gets the lock, and the lock connection never ran the
     task's SQL."""

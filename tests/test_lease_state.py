@@ -10,8 +10,9 @@ import pytest
 
 from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.db.postgres import ask_between_statements
-from scheduler_daemon.leadership.base import LeadershipLost, LeaseState
+from scheduler_daemon.leadership.base import LeadershipLost
 from scheduler_daemon.leadership.heartbeat import heartbeat
+from scheduler_daemon.leadership.lease_state import LeaseState
 from scheduler_daemon.logs import get_logger
 
 SETTINGS = Settings(lock={"heartbeat_interval": 0.5, "stop_grace": 0.5, "stall_timeout": 3})

@@ -15,7 +15,8 @@ import pytest
 
 from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.errors import EXIT_CONFIG, ConfigError, DatabaseUnavailable
-from scheduler_daemon.leadership.base import LeaseState, Stopping
+from scheduler_daemon.leadership.base import Stopping
+from scheduler_daemon.leadership.lease_state import LeaseState
 from scheduler_daemon.logs import get_logger
 from scheduler_daemon.loops.base import LoopRunner, ServiceCrashed, Tick
 from scheduler_daemon.metrics import Metrics

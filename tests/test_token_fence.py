@@ -1,4 +1,4 @@
-"""Session mode's fence off the lock connection (leadership/token_fence.py), against a real
+"""Session mode's fence off the lock connection (leadership/session_lease.py), against a real
 PostgreSQL, statement by statement: the orderings a network can produce between a replaced
 leader's transactions and its successor's draw of the loop's fencing token, each made
 happen on purpose and waited for in the server's own lock table, not by a sleep.
@@ -22,7 +22,7 @@ from scheduler_daemon.config.url import Backend
 from scheduler_daemon.db.plugin_store import Declaration, PluginStore
 from scheduler_daemon.db.sqlfiles import positional
 from scheduler_daemon.leadership.base import LeadershipLost
-from scheduler_daemon.leadership.token_fence import SqlEndedFence, TokenFence, fencing_row
+from scheduler_daemon.leadership.session_lease import SqlEndedFence, TokenFence, fencing_row
 from scheduler_daemon.logs import get_logger
 from scheduler_daemon.schema_gate import SchemaGate
 

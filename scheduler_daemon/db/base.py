@@ -251,7 +251,7 @@ class Tx(Protocol):
     themselves), on the connection the leadership guard chose.
 
     In PostgreSQL session mode that is a pooled connection whose first statement checks
-    the loop's fencing token, holding its row until the end (leadership/token_fence.py): a
+    the loop's fencing token, holding its row until the end (leadership/session_lease.py): a
     replaced leader's transaction cannot commit after its successor drew a token (a
     sharded member's, each shard's token: leadership/shard_lease.py). In
     transaction mode the same transaction holds the tick's ``pg_try_advisory_xact_lock``.

@@ -58,7 +58,7 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     CLOSE ALL; UNLISTEN *; RESET ALL`` on every release (a round trip each time), against
     session state that only user SQL could leave behind; in session mode the fenced
     transaction that ran user SQL clears it with its own COMMIT or ROLLBACK, in the same
-    round trip (leadership/token_fence.py, ``session_clean``), and the loops' bookkeeping
+    round trip (leadership/session_lease.py, ``session_clean``), and the loops' bookkeeping
     leaves none. An open transaction is still rolled back (asyncpg does that before
     calling this). Transaction mode keeps the default."""
 
@@ -168,7 +168,7 @@ def _held(statement_lock: asyncio.Lock | None) -> contextlib.AbstractAsyncContex
     return statement_lock if statement_lock is not None else contextlib.nullcontext()
 
 
-# A statement that fences itself (``fence_*`` parameters, leadership/token_fence.py) run
+# A statement that fences itself (``fence_*`` parameters, leadership/session_lease.py) run
 # where it needs not: in a transaction already fenced, or outside any loop.
 NO_FENCE: Mapping[str, Any] = {"fence_loop": None, "fence_token": None, "fence_newest": None}
 

@@ -376,7 +376,7 @@ WHERE loop = :loop AND lock_key = :key AND backend_pid = pg_backend_pid()
 
 -- name: token_fence
 -- Session mode: what follows BEGIN in every fenced transaction on a pooled connection
--- (leadership/token_fence.py), sent with it in one round trip. READ COMMITTED whatever the
+-- (leadership/session_lease.py), sent with it in one round trip. READ COMMITTED whatever the
 -- database's default: the fence's locking read must see a successor's committed token.
 -- A client frozen inside the transaction is cut off after stall_ms (lock.stall_timeout),
 -- which ends its share lock on the fencing row; one killed mid-statement is noticed
@@ -699,7 +699,7 @@ ORDER BY s.shard
 -- still deadlock with it, rarely (a changed declaration, a refused row), and fail a tick.
 
 -- Self-fenced statements. Session mode runs a tick's claim, a refusal and a result batch
--- each as one statement outside a transaction (leadership/token_fence.py, one round trip):
+-- each as one statement outside a transaction (leadership/session_lease.py, one round trip):
 -- such a statement fences itself in its first CTE, `fence`, with scheduler_fence (the
 -- loop's fencing row FOR SHARE until the statement commits, its token still the caller's;
 -- migration 0015), and writes nothing unless `fence` says so. In a transaction already

@@ -41,7 +41,7 @@ WAIT_PROCEDURES = (
 
 
 # Session mode's fences on pooled connections: a loop's (migration 0015,
-# leadership/token_fence.py) and a sharded member's (migration 0016, shard_lease.py).
+# leadership/session_lease.py) and a sharded member's (migration 0016, shard_lease.py).
 FENCE_FUNCTIONS = ("scheduler_fence", "scheduler_fence_shards")
 
 # The run history's upkeep (migration 0012), run by the built-in purge_runs: it makes and

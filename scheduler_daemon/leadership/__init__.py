@@ -17,7 +17,16 @@ from ..db.base import Store
 from ..logs import Logger
 from ..metrics import Metrics
 from ..schema_gate import SchemaGate
-from .base import ClaimScope, Guard, LeadershipLost, Lease, NotLeader, PendingHold, Stopping
+from .base import (
+    ClaimScope,
+    Guard,
+    LeadershipLost,
+    Lease,
+    NotLeader,
+    PendingHold,
+    Stopping,
+    WriteGroup,
+)
 
 if TYPE_CHECKING:
     from ..db.listen import Listener
@@ -30,6 +39,7 @@ __all__ = [
     "NotLeader",
     "PendingHold",
     "Stopping",
+    "WriteGroup",
     "make_guard",
 ]
 

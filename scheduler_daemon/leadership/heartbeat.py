@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 from ..aio import wait_any
 from ..errors import describe
-from .base import LeaseState, discard_outcome
+from .lease_state import LeaseState, discard_outcome
 
 
 async def heartbeat(

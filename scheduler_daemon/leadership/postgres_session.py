@@ -42,7 +42,6 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -52,17 +51,14 @@ from ..config.settings import Settings
 from ..config.timing import LockSettings
 from ..db.lock_store import Claimed, PgLockStore, Predecessor, StaleLeader
 from ..db.postgres import (
-    PgTx,
     PostgresStore,
     ask_between_statements,
     detect_dead_peer,
 )
 from ..errors import describe
-from ..logs import Logger
-from ..schema_gate import SchemaGate
-from .base import GuardBase, LeadershipLost, LeaseState, Stopping, settle_time
+from .base import GuardBase, Stopping, settle_time
 from .heartbeat import heartbeat
-from .token_fence import TokenFence, fencing_row
+from .session_lease import SessionLease, fencing_row
 
 # A standby's wait for the lock, and a sharded member's watch, are slices this long, each
 # a transaction of its own (migration 0010): no snapshot lives longer than this, so a
@@ -129,90 +125,6 @@ async def wait_for_predecessor(
         "predecessor_standing_by": standing_by,
         "settled_in": round(time.monotonic() - started, 4),
     }
-
-
-class SessionLease(LeaseState):
-    def __init__(
-        self,
-        conn: asyncpg.Connection,
-        key: int,
-        backend_pid: int,
-        since: datetime,
-        fencing_token: int,
-        settings: Settings,
-        log: Logger,
-        on_lost: Callable[[str, bool], None],
-        schema: SchemaGate,
-        *,
-        pool: asyncpg.Pool,
-        loop: str,
-    ) -> None:
-        super().__init__(fencing_token, settings, log, on_lost)
-        self.schema = schema
-        self.conn = conn
-        self.key = key
-        self.backend_pid = backend_pid
-        self.since = since
-        # One user of the lock connection at a time: a heartbeat, or (a sharded member's)
-        # the rebalancer taking or letting go of shards. Within a transaction, one
-        # statement at a time (the statement lock): between two of them a heartbeat may
-        # talk on the connection too.
-        self.transaction_lock = asyncio.Lock()
-        self.statement_lock = asyncio.Lock()
-        # The leader's fenced transactions, on the pool, by fencing row ``loop`` (a sharded
-        # member's, by its shards' rows: leadership/shard_lease.py).
-        self.fence = TokenFence(
-            pool, loop, fencing_token, settings, schema, log,
-            lambda reason: self.lose(reason, lock_may_be_free=True),
-        )  # fmt: skip
-
-    @asynccontextmanager
-    async def transaction(self, *, only_ours: bool = False) -> AsyncIterator[PgTx]:
-        """A fenced transaction, on a pooled connection (leadership/token_fence.py): it
-        cannot commit once a successor drew its fencing token, and SQL run in it cannot
-        reach the lock, which another session holds. Several run at once.
-
-        ``only_ours`` (the loops' own bookkeeping): no user SQL runs, so the transaction
-        needs none of the pool's places kept for it, nor the session clean-up after it."""
-        self._closed_already()
-        if self.lost.is_set():
-            raise LeadershipLost(self.reason or "lost")
-        try:
-            async with self.fence.transaction(only_ours=only_ours) as tx:
-                yield tx
-        except BaseException:
-            self._closed_already()  # the failure is the closed session showing
-            raise
-
-    @asynccontextmanager
-    async def statements(self) -> AsyncIterator[PgTx]:
-        self._closed_already()
-        if self.lost.is_set():
-            raise LeadershipLost(self.reason or "lost")
-        try:
-            async with self.fence.statements() as tx:
-                yield tx
-        except BaseException:
-            self._closed_already()
-            raise
-
-    def _closed_already(self) -> None:
-        """A lock connection found closed is a session, and a lock, that are over: said at
-        once, not when asyncpg's close callback runs (a connection that the server ended
-        can read closed for a while before it does, and a tick meanwhile fails on it)."""
-        if not self.lost.is_set() and self.conn.is_closed():
-            self.lose("lock connection closed", lock_may_be_free=True)
-
-    def unblock(self) -> None:
-        """Drop every connection work of this leadership may be stuck on (the lock's, the
-        fenced transactions'): asyncpg waits for a cancelled statement's cancellation to
-        land, which on a dead socket it never does."""
-        self.conn.terminate()
-        self.fence.terminate()
-
-    def _fence_broken(self, reason: str) -> None:
-        self.lose(reason, lock_may_be_free=True)
-        raise LeadershipLost(reason)
 
 
 class SessionGuard(GuardBase[PostgresStore]):

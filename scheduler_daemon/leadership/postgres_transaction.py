@@ -51,12 +51,12 @@ from .base import (
     GuardBase,
     LeadershipLost,
     Lease,
-    LeaseState,
     NotLeader,
     PendingHold,
     settle_time,
 )
 from .heartbeat import heartbeat
+from .lease_state import LeaseState
 
 # How long a tick waits for its hand-over hold to be queued on the lock (one round trip
 # on a healthy server) before it gives up and rolls back what it claimed.

@@ -11,7 +11,7 @@ several at once, and checks in its first statement each shard it is for
 (:class:`ShardCheck`): the shard's fencing row FOR SHARE, its token still the one this
 member drew when it took the shard. The shard's next owner draws a new token before its
 first claim, which waits for those transactions and fails every later one: the loop's
-token fence (leadership/token_fence.py), per shard. leadership/shards.py (the guard)
+token fence (leadership/session_lease.py), per shard. leadership/shards.py (the guard)
 joins, watches and leaves; leadership/shard_rebalance.py takes and hands over.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -29,10 +29,10 @@ from ..db.lock_store import MemberLocks, MemberState
 from ..db.postgres import PgTx
 from ..db.sqlfiles import formatted, queries
 from .assignment import Member
-from .base import ClaimScope, LeadershipLost, Lease, LeaseState
-from .postgres_session import SessionLease
+from .base import ClaimScope, LeadershipLost, Lease, WriteGroup
+from .lease_state import LeaseState
+from .session_lease import FenceCheck, SessionLease
 from .shard_keys import ShardKeys
-from .token_fence import FenceCheck
 
 if TYPE_CHECKING:
     from ..metrics import Metrics
@@ -54,7 +54,7 @@ class View:
 
 @dataclass(frozen=True, slots=True)
 class ShardCheck:
-    """The fence of a member's transaction (leadership/token_fence.py's
+    """The fence of a member's transaction (leadership/session_lease.py's
     :class:`FenceCheck`): each of ``leases``' shards' fencing rows of ``loop`` FOR SHARE,
     each token still the one its lease drew (``scheduler_fence_shards``, migration 0016).
     ``require_all``: a shard superseded refuses the transaction; else it goes on for the
@@ -98,6 +98,8 @@ class ShardLease(LeaseState):
     """Leadership of one shard: its runs are its work, stopped when it is lost or handed
     over; its fencing token is the shard's."""
 
+    shard: int
+
     def __init__(self, member: MemberLease, shard: int, token: int) -> None:
         super().__init__(token, member.settings, member.log.bind(shard=shard), self._report)
         self.member = member
@@ -125,6 +127,9 @@ class ShardLease(LeaseState):
         task = super().spawn(work, name, service=service)
         self.member.adopt(task)  # and the member's: its end stops everything
         return task
+
+    def write_group(self) -> WriteGroup:
+        return self.member  # the member's shards write their results together
 
 
 class MemberLease(SessionLease):
@@ -227,6 +232,10 @@ class MemberLease(SessionLease):
         except BaseException:
             self._closed_already()
             raise
+
+    def fenced_together(self, leases: Collection[Lease]) -> AbstractAsyncContextManager[PgTx]:
+        # By identity: a shard handed over is no longer among ours, nor fenced for.
+        return self.fenced([s for s in self.shards.values() if s in leases], only_ours=True)
 
     def unblock_shard(self, shard: ShardLease) -> None:
         """Drop the connections of the transactions fenced for ``shard`` (its stopped

@@ -54,18 +54,14 @@ from ..db.lock_store import PgLockStore
 from ..db.postgres import ask_between_statements, detect_dead_peer
 from ..errors import describe
 from .assignment import Member
-from .base import Stopping, discard_outcome
+from .base import Stopping
 from .heartbeat import heartbeat
-from .postgres_session import (
-    LOCK_WAIT_SLICE_MS,
-    SessionGuard,
-    SessionLease,
-    session_keepalive_settings,
-)
+from .lease_state import discard_outcome
+from .postgres_session import LOCK_WAIT_SLICE_MS, SessionGuard, session_keepalive_settings
+from .session_lease import SessionLease, fencing_row
 from .shard_keys import ShardKeys
 from .shard_lease import MemberLease
 from .shard_rebalance import Rebalancer
-from .token_fence import fencing_row
 
 if TYPE_CHECKING:
     from ..db.listen import Listener

@@ -50,7 +50,8 @@ from ..db.sqlite_file import descriptor_identity, path_identity, real_path
 from ..errors import ConfigError, describe
 from ..logs import Logger
 from ..schema_gate import SchemaGate
-from .base import GuardBase, LeaseState, Stopping
+from .base import GuardBase, Stopping
+from .lease_state import LeaseState
 
 POLL_INTERVAL = 0.05  # local file lock: cheap to try, and takeover should feel instant
 

@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import structlog
 
@@ -46,9 +46,6 @@ from ..plugins.tasks import TaskSpec
 from ..plugins.worker_process import WorkerJob
 from ..plugins.workers import WorkerFailed, Workers
 from .results import SharedResults
-
-if TYPE_CHECKING:
-    from ..leadership.shard_lease import ShardLease
 
 # Results of one batch wait at most this long to be written, or for this many to gather.
 RESULT_FLUSH_INTERVAL = 0.05
@@ -101,7 +98,6 @@ class PluginRuns:
         label: Callable[[str, TaskSpec | None], str],
         wake: Callable[[], None],
     ) -> None:
-        self.sharded = settings.plugin.shards > 1
         self.settings = settings
         self.metrics = metrics
         self.workers = workers  # runs sync targets; None when no target is sync
@@ -293,8 +289,9 @@ class PluginRuns:
 
     async def _record(self, hold: Lease, ended: list[Ended], log: Logger) -> None:
         limit = self.settings.plugin.max_consecutive_failures
-        if self.sharded:  # with the other shards' results, in one transaction
-            finished = await self._results.write(cast("ShardLease", hold), ended)
+        group = hold.write_group()
+        if group is not None:  # with the other shards' results, in one transaction
+            finished = await self._results.write(hold, group, ended)
         else:  # one statement that fences itself (session mode: one round trip)
             async with hold.statements() as tx:
                 finished = await self._finish(PluginStore(tx), ended)

@@ -1,9 +1,9 @@
 """The publish loop: every due publication becomes ``published`` once, on time.
 
 A tick, on the leader only, loops over batches until nothing is due. Each batch is one
-fenced transaction (``lease.transaction()``: in session mode on the leader's lock
-connection, in transaction mode a pooled one whose first statement takes the lock, on
-SQLite under the file lock): one statement picks up to ``batch_size`` due rows
+fenced transaction (``lease.transaction()``: in session mode a pooled one whose first
+statement checks the loop's fencing token, in transaction mode a pooled one whose first
+statement takes the lock, on SQLite under the file lock): one statement picks up to ``batch_size`` due rows
 (``publish_at <= now()`` by the database's clock; PostgreSQL skips rows others hold
 locked) and flips them (db/publications.py), and the publishers run on the returned rows
 in the same transaction. If the leader lost its lock, nothing of the batch commits, and

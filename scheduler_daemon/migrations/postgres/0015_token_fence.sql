@@ -1,4 +1,4 @@
--- Fenced work off the lock connection (leadership/token_fence.py, docs/leadership.md).
+-- Fenced work off the lock connection (leadership/session_lease.py, docs/leadership.md).
 --
 -- A session-mode leader's fenced transactions run on pooled connections, several at once,
 -- not queued on its one lock connection. Each is fenced in its first statement by this

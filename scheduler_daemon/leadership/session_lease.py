@@ -1,4 +1,5 @@
-"""Session mode's fenced transactions, off the lock connection.
+"""Session mode's lease (``SessionLease``) and its fenced transactions, off the lock
+connection. The guard that wins the lock and proves it is leadership/postgres_session.py.
 
 The lock connection only holds and proves the lock. A leader's database work (ticks,
 result batches, ``sql`` tasks, ``ctx.transaction()``, publishers) runs in transactions on
@@ -38,6 +39,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Protocol
 
 import asyncpg
@@ -52,6 +54,7 @@ from ..errors import describe
 from ..logs import Logger
 from ..schema_gate import SchemaGate
 from .base import LeadershipLost
+from .lease_state import LeaseState
 
 QUERIES = queries("postgres")
 
@@ -386,6 +389,90 @@ class TokenFence:
                 await conn.execute(text)
         except Exception:
             conn.terminate()  # cannot say: dropped, the server rolls back
+
+
+class SessionLease(LeaseState):
+    def __init__(
+        self,
+        conn: asyncpg.Connection,
+        key: int,
+        backend_pid: int,
+        since: datetime,
+        fencing_token: int,
+        settings: Settings,
+        log: Logger,
+        on_lost: Callable[[str, bool], None],
+        schema: SchemaGate,
+        *,
+        pool: asyncpg.Pool,
+        loop: str,
+    ) -> None:
+        super().__init__(fencing_token, settings, log, on_lost)
+        self.schema = schema
+        self.conn = conn
+        self.key = key
+        self.backend_pid = backend_pid
+        self.since = since
+        # One user of the lock connection at a time: a heartbeat, or (a sharded member's)
+        # the rebalancer taking or letting go of shards. Within a transaction, one
+        # statement at a time (the statement lock): between two of them a heartbeat may
+        # talk on the connection too.
+        self.transaction_lock = asyncio.Lock()
+        self.statement_lock = asyncio.Lock()
+        # The leader's fenced transactions, on the pool, by fencing row ``loop`` (a sharded
+        # member's, by its shards' rows: leadership/shard_lease.py).
+        self.fence = TokenFence(
+            pool, loop, fencing_token, settings, schema, log,
+            lambda reason: self.lose(reason, lock_may_be_free=True),
+        )  # fmt: skip
+
+    @asynccontextmanager
+    async def transaction(self, *, only_ours: bool = False) -> AsyncIterator[PgTx]:
+        """A fenced transaction, on a pooled connection (leadership/session_lease.py): it
+        cannot commit once a successor drew its fencing token, and SQL run in it cannot
+        reach the lock, which another session holds. Several run at once.
+
+        ``only_ours`` (the loops' own bookkeeping): no user SQL runs, so the transaction
+        needs none of the pool's places kept for it, nor the session clean-up after it."""
+        self._closed_already()
+        if self.lost.is_set():
+            raise LeadershipLost(self.reason or "lost")
+        try:
+            async with self.fence.transaction(only_ours=only_ours) as tx:
+                yield tx
+        except BaseException:
+            self._closed_already()  # the failure is the closed session showing
+            raise
+
+    @asynccontextmanager
+    async def statements(self) -> AsyncIterator[PgTx]:
+        self._closed_already()
+        if self.lost.is_set():
+            raise LeadershipLost(self.reason or "lost")
+        try:
+            async with self.fence.statements() as tx:
+                yield tx
+        except BaseException:
+            self._closed_already()
+            raise
+
+    def _closed_already(self) -> None:
+        """A lock connection found closed is a session, and a lock, that are over: said at
+        once, not when asyncpg's close callback runs (a connection that the server ended
+        can read closed for a while before it does, and a tick meanwhile fails on it)."""
+        if not self.lost.is_set() and self.conn.is_closed():
+            self.lose("lock connection closed", lock_may_be_free=True)
+
+    def unblock(self) -> None:
+        """Drop every connection work of this leadership may be stuck on (the lock's, the
+        fenced transactions'): asyncpg waits for a cancelled statement's cancellation to
+        land, which on a dead socket it never does."""
+        self.conn.terminate()
+        self.fence.terminate()
+
+    def _fence_broken(self, reason: str) -> None:
+        self.lose(reason, lock_may_be_free=True)
+        raise LeadershipLost(reason)
 
 
 def _shards_of(check: FenceCheck) -> frozenset[int] | None:
