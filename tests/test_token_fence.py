@@ -22,7 +22,8 @@ from scheduler_daemon.config.url import Backend
 from scheduler_daemon.db.plugin_store import Declaration, PluginStore
 from scheduler_daemon.db.sqlfiles import positional
 from scheduler_daemon.leadership.base import LeadershipLost
-from scheduler_daemon.leadership.session_lease import SqlEndedFence, TokenFence, fencing_row
+from scheduler_daemon.leadership.fenced_tx import SqlEndedFence
+from scheduler_daemon.leadership.session_lease import TokenFence, fencing_row
 from scheduler_daemon.logs import get_logger
 from scheduler_daemon.schema_gate import SchemaGate
 
@@ -189,6 +190,29 @@ async def test_fenced_transactions_run_at_once_and_user_sql_leaves_no_session_st
         async with leader.fence.transaction() as tx:
             await tx.execute("COMMIT")
     assert leader.lost == []
+
+
+async def test_sql_sent_with_the_fence_never_runs_for_a_replaced_leader(
+    pool: asyncpg.Pool,
+) -> None:
+    """A transaction for user SQL sends BEGIN and the fence with its first statement, in
+    one message (a `sql` task: two round trips). Once a successor drew its token, the
+    fence refuses and PostgreSQL runs nothing after it in that message: not the INSERT,
+    nor its statement timeout. Before that, it commits; a transaction in which nothing ran
+    begins nothing."""
+    leader = Leader(pool, await drawn(pool), "leader")
+    async with leader.fence.transaction() as tx:
+        await tx.execute("INSERT INTO fenced_writes VALUES ('leader', 1)", statement_timeout=5)
+    async with leader.fence.transaction():
+        pass  # nothing sent, nothing to commit
+    await drawn(pool)  # a successor
+    with pytest.raises(LeadershipLost):
+        async with leader.fence.transaction() as tx:
+            await tx.execute("INSERT INTO fenced_writes VALUES ('leader', 2)", statement_timeout=5)
+    assert await writes(pool) == [("leader", 1)]
+    assert leader.lost == ["a newer leader drew the loop's fencing token"]
+    async with pool.acquire() as conn:  # nothing left behind on the connections
+        assert await conn.fetchval("SHOW statement_timeout") == "0"
 
 
 async def test_a_statement_that_fences_itself_writes_nothing_for_a_replaced_leader(

@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Protocol
 
 import asyncpg
 
@@ -54,13 +54,11 @@ from ..errors import describe
 from ..logs import Logger
 from ..schema_gate import SchemaGate
 from .base import LeadershipLost
+from .fenced_tx import SCHEMA_NEWER, SUPERSEDED, PooledTx, SelfFencedTx, SqlEndedFence
 from .lease_state import LeaseState
 
 QUERIES = queries("postgres")
 
-# scheduler_fence's answers (migration 0015).
-SUPERSEDED = "SDF01"
-SCHEMA_NEWER = "SDF02"
 # How often the server checks, while a fenced statement runs, that its client is still
 # there (client_connection_check_interval): a leader killed mid-statement lets go of the
 # fencing row within this, not when the statement would have ended.
@@ -105,6 +103,12 @@ class FenceCheck(Protocol):
         try again with, for what is still ours; or raise :class:`LeadershipLost`."""
         ...
 
+    @property
+    def narrows(self) -> bool:
+        """Whether :meth:`superseded` may go on with less (then the fence is sent on its
+        own, before the work: the work is for what the fence leaves)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class LoopCheck:
@@ -115,6 +119,7 @@ class LoopCheck:
     token: int
     lose: Callable[[str], object]
     scope: None = None
+    narrows: bool = False
 
     def statement(self, *, stall_ms: int, check_ms: int, newest: int) -> str:
         return formatted(
@@ -126,101 +131,6 @@ class LoopCheck:
         reason = "a newer leader drew the loop's fencing token"
         self.lose(reason)
         raise LeadershipLost(reason)
-
-
-class SqlEndedFence(RuntimeError):
-    """A task's SQL ended its fenced transaction (a COMMIT of its own): what it ran up to
-    there was fenced, what ran after was not. Its run fails, saying so."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            "SQL in a fenced transaction ended it (COMMIT or ROLLBACK): statements after "
-            "that ran unfenced; a task's SQL must not end its transaction"
-        )
-
-
-# What a self-fenced statement may be without a fence of its own: reads.
-UNFENCED_READS = frozenset({"plugin_due", "now"})
-
-
-class SelfFencedTx(PgTx):
-    """Statements outside a transaction, each its own: only those that fence themselves
-    (``fence_*`` parameters) may write (see :meth:`TokenFence.statements`)."""
-
-    async def query(self, query: str, **params: Any) -> list[dict[str, Any]]:
-        if query not in UNFENCED_READS and ":fence_loop" not in QUERIES[query]:
-            raise RuntimeError(f"{query} does not fence itself: run it in lease.transaction()")
-        return await super().query(query, **params)
-
-    async def fetch(self, query: str, *args: Any) -> list[dict[str, Any]]:
-        raise RuntimeError("only self-fenced named queries run outside a transaction")
-
-    async def execute(self, sql: str, statement_timeout: float | None = None) -> None:
-        raise RuntimeError("only self-fenced named queries run outside a transaction")
-
-    async def run(self, sql: str, *args: Any) -> None:
-        raise RuntimeError("only self-fenced named queries run outside a transaction")
-
-    async def run_many(self, sql: str, args: Sequence[Sequence[Any]]) -> None:
-        raise RuntimeError("only self-fenced named queries run outside a transaction")
-
-    @asynccontextmanager
-    async def savepoint(self) -> AsyncIterator[None]:
-        raise RuntimeError("no savepoint outside a transaction")
-        yield  # a generator, as the method it replaces
-
-
-class PooledTx(PgTx):
-    """A fenced transaction of its own on a pooled connection: nothing else runs in it, so
-    a statement's own timeout is set for the transaction and sent with the statement, in
-    one round trip, and put back after it in the same message."""
-
-    def __init__(
-        self,
-        conn: asyncpg.Connection,
-        token: int | None,
-        statement_lock: asyncio.Lock,
-        shards: ShardScope | None,
-    ):
-        super().__init__(conn, token, statement_lock, shards)
-        self._savepoints = 0
-
-    def _statement(self) -> asyncio.Lock:
-        assert self.statement_lock is not None
-        return self.statement_lock
-
-    async def _execute(self, sql: str, statement_timeout: float | None) -> None:
-        if statement_timeout is None:
-            await self.conn.execute(sql)
-            return
-        milliseconds = int(statement_timeout * 1000)
-        text = ";\n".join(
-            (
-                formatted(QUERIES["statement_timeout_local"], milliseconds=milliseconds),
-                sql,
-                QUERIES["statement_timeout_reset"],
-            )
-        )
-        # asyncpg's own limit too: the pool's command_timeout would cut it short.
-        await self.conn.execute(text, timeout=statement_timeout + 1.0)
-
-    @asynccontextmanager
-    async def savepoint(self) -> AsyncIterator[None]:
-        # Spelled here: asyncpg's transaction() refuses to nest in a transaction it did not
-        # begin (ours begins with the fence, in one round trip).
-        self._savepoints += 1
-        name = f"sp_{self._savepoints}"
-        async with self._statement():
-            await self.conn.execute(f"SAVEPOINT {name}")
-        try:
-            yield
-        except BaseException:
-            if not self.conn.is_closed():
-                async with self._statement():
-                    await self.conn.execute(f"ROLLBACK TO {name}")
-            raise
-        async with self._statement():
-            await self.conn.execute(f"RELEASE {name}")
 
 
 class TokenFence:
@@ -312,17 +222,31 @@ class TokenFence:
     async def _fenced(
         self, conn: asyncpg.Connection, only_ours: bool, check: FenceCheck
     ) -> AsyncIterator[PgTx]:
-        check = await self._begin(conn, check)
+        # User SQL (a `sql` task, a publisher's, ctx.transaction()) usually sends one
+        # statement: the fence goes with it. The loops' bookkeeping sends statements with
+        # parameters, which cannot share a message: the fence goes first.
+        prelude = None
+        if only_ours or check.narrows:
+            check = await self._begin(conn, check)
+        else:
+            prelude = self._prelude(check)
         self._in_use[conn] = _shards_of(check)
         statement_lock = asyncio.Lock()
-        keeper = asyncio.create_task(self._keep_alive(conn, statement_lock))
+        tx = PooledTx(
+            conn, check.token, statement_lock, check.scope, prelude,
+            lambda exc: self._refused(exc, check),
+        )  # fmt: skip
+        keeper = asyncio.create_task(self._keep_alive(conn, statement_lock, tx))
         try:
-            yield PooledTx(conn, check.token, statement_lock, check.scope)
+            yield tx
         except BaseException:
             await _stopped(keeper)
-            await self._end(conn, "ROLLBACK", only_ours)
+            if tx.prelude is None:
+                await self._end(conn, "ROLLBACK", only_ours)
             raise
         await _stopped(keeper)
+        if tx.prelude is not None:
+            return  # nothing ran: nothing was begun, nothing to end
         if not conn.is_in_transaction():
             await self._end(conn, "ROLLBACK", only_ours)  # its session cleaned
             raise SqlEndedFence
@@ -337,32 +261,45 @@ class TokenFence:
         finally:
             self._in_use.pop(conn, None)
 
-    async def _keep_alive(self, conn: asyncpg.Connection, statement_lock: asyncio.Lock) -> None:
+    async def _keep_alive(
+        self, conn: asyncpg.Connection, statement_lock: asyncio.Lock, tx: PooledTx
+    ) -> None:
         """While the transaction's owner awaits something else (a task inside
         ``ctx.transaction()`` calling an API), say something on it every
         ``heartbeat_interval``: its idle_in_transaction_session_timeout is for a frozen
         process, whose keeper is frozen too, not for a live one that is busy elsewhere."""
         while True:
             await asyncio.sleep(self.settings.lock.heartbeat_interval)
-            if statement_lock.locked():
-                continue  # a statement runs: the transaction is not idle
+            if statement_lock.locked() or tx.prelude is not None:
+                continue  # a statement runs, or none ran yet: no transaction is idle
             async with statement_lock:
                 try:
                     await PgLockStore(conn).now()
                 except asyncpg.PostgresError:
                     return  # the transaction failed: its owner rolls it back
 
+    def _prelude(self, check: FenceCheck) -> str:
+        """BEGIN, the transaction's settings and ``check``'s fence, as one text."""
+        fence = check.statement(
+            stall_ms=round(self.settings.lock.stall_timeout * 1000),
+            check_ms=CLIENT_CHECK_MS,
+            newest=self.schema.newest,
+        )
+        return ";\n".join(("BEGIN", fence))
+
+    def _refused(self, exc: asyncpg.PostgresError, check: FenceCheck) -> None:
+        """What the fence of a prelude sent with a statement said (it does not narrow)."""
+        if exc.sqlstate == SUPERSEDED:
+            check.superseded(exc.detail or "")
+        if exc.sqlstate == SCHEMA_NEWER:
+            self.schema.check(int(exc.detail or 0), self.log, "fence")
+
     async def _begin(self, conn: asyncpg.Connection, check: FenceCheck) -> FenceCheck:
         """BEGIN and the fence, in one round trip; the check that passed (a member's
         shards found superseded are dropped from it, and it is tried again for the rest)."""
         while True:
-            fence = check.statement(
-                stall_ms=round(self.settings.lock.stall_timeout * 1000),
-                check_ms=CLIENT_CHECK_MS,
-                newest=self.schema.newest,
-            )
             try:
-                await conn.execute(";\n".join(("BEGIN", fence)))
+                await conn.execute(self._prelude(check))
                 return check
             except asyncpg.PostgresError as exc:
                 await self._end(conn, "ROLLBACK", only_ours=True)

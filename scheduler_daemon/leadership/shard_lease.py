@@ -70,6 +70,10 @@ class ShardCheck:
         return self.leases[0].fencing_token if len(self.leases) == 1 else None
 
     @property
+    def narrows(self) -> bool:
+        return not self.require_all
+
+    @property
     def scope(self) -> ShardScope:
         return ShardScope(self.count, {s.shard: s.fencing_token for s in self.leases})
 
