@@ -94,14 +94,17 @@ class PooledTx(PgTx):
         assert self.statement_lock is not None
         return self.statement_lock
 
-    async def _send(self, text: str, limit: float | None = None) -> None:
-        """``text``, after the prelude if it is still to be sent, in one message."""
+    async def _send(self, text: str | None, limit: float | None = None) -> None:
+        """``text``, after the prelude if it is still to be sent, in one message (None:
+        the prelude alone)."""
         prelude, self.prelude = self.prelude, None
         if prelude is None:
-            await self.conn.execute(text, timeout=limit)
+            if text is not None:
+                await self.conn.execute(text, timeout=limit)
             return
+        message = prelude if text is None else ";\n".join((prelude, text))
         try:
-            await self.conn.execute(";\n".join((prelude, text)), timeout=limit)
+            await self.conn.execute(message, timeout=limit)
         except asyncpg.PostgresError as exc:
             if exc.sqlstate in (SUPERSEDED, SCHEMA_NEWER):
                 self._refused(exc)
@@ -110,8 +113,7 @@ class PooledTx(PgTx):
     async def _begun(self) -> None:
         if self.prelude is not None:
             async with self._statement():
-                if self.prelude is not None:
-                    await self._send("SELECT 1")
+                await self._send(None)
 
     async def _execute(self, sql: str, statement_timeout: float | None) -> None:
         if statement_timeout is None:

@@ -22,8 +22,9 @@ count. A holder frozen inside a transaction is cut off by the server after
 ``stall_timeout`` (the transaction's ``idle_in_transaction_session_timeout``), and its
 share of the row with it.
 
-BEGIN, the transaction's settings and the fence go in one round trip; a ``sql`` task's
-statement goes with its timeout; COMMIT is the last. A task's SQL cannot reach the lock:
+BEGIN, the transaction's settings and the fence go in one round trip, with user SQL's
+first statement (a ``sql`` task's, with its timeout: leadership/fenced_tx.py's
+``PooledTx``); COMMIT is the last. A task's SQL cannot reach the lock:
 it runs in another session than the one that holds it.
 
 The loops' bookkeeping that is a single statement (a tick's claim, a result batch) needs
