@@ -166,3 +166,35 @@ async def _join_and_own(guard: Guard, count: int) -> dict[int, int]:
         assert isinstance(member, MemberLease)
         await owning(member, count)
         return {lease.shard: lease.fencing_token for lease in member.active_shards()}
+
+
+async def test_sharded_the_first_member_of_a_layout_supersedes_every_other_layouts_row(
+    pg_url: str,
+) -> None:
+    """Before it leads anything, the first member of a layout moves every shard's row on,
+    and the loop's own: rows of another shard count (shard 5 of 8, which 2 shards never
+    draw) or of members gone, whose pooled transactions may outlive their sessions. A
+    second member, joining beside it, leaves the shard rows alone."""
+    settings = Settings(
+        database_url=pg_url, plugin={"shards": SHARDS},
+        lock={"heartbeat_interval": 0.2, "stop_grace": 0.5, "stall_timeout": 3},
+    )  # fmt: skip
+    stores = [await open_store(settings), await open_store(settings)]
+    pool = stores[0].pool  # type: ignore[attr-defined]
+    first, second = (guard_on(store, settings) for store in stores)
+    tokens = "SELECT loop, token FROM scheduler_fencing WHERE loop LIKE 'plugin%'"
+    try:
+        old = {row: await pool.fetchval(DRAW, row, "old") for row in ("plugin", "plugin/5")}
+        async with first.leadership() as member:
+            assert isinstance(member, MemberLease)
+            moved = {r["loop"]: r["token"] for r in await pool.fetch(tokens)}
+            assert moved["plugin/5"] != old["plugin/5"]
+            assert moved["plugin"] != old["plugin"]
+            await owning(member, SHARDS)
+            before = {r["loop"]: r["token"] for r in await pool.fetch(tokens)}
+            async with second.leadership():
+                after = {r["loop"]: r["token"] for r in await pool.fetch(tokens)}
+                assert after["plugin/5"] == before["plugin/5"], "a second member moves none"
+    finally:
+        for store in stores:
+            await store.close()

@@ -2,7 +2,7 @@
 
 In this mode every lock lives in a pooled transaction, and a hold's heartbeat proves its
 lock through the pool while a statement runs on the hold's own connection. A proof that
-waits for a free connection counts as failed (leadership/base.py): the hold is lost and
+waits for a free connection counts as failed (leadership/heartbeat.py): the hold is lost and
 its work cancelled on a healthy leader. The floor (``config.transaction_pool_users``)
 counts the ticks, the holds, each hold's proof and the HTTP endpoints; the daemon's pool
 is at least that large, so no acquire ever finds it full. The acceptance test runs a

@@ -35,14 +35,26 @@ async def pool(pg_url: str) -> AsyncIterator[asyncpg.Pool]:
         yield opened
 
 
-def shard_fence(owned: dict[int, int]) -> str:
-    """BEGIN and a member's fence for ``owned`` (shard -> token), as the daemon sends it."""
+MEMBER_CLASS = 7  # the test's stand-in member lock: (7, the session's backend pid)
+
+
+def shard_fence(owned: dict[int, int], member_pid: int, newest: int = NEWEST) -> str:
+    """BEGIN and a member's fence for ``owned`` (shard -> token), as the daemon sends it,
+    for a member whose lock session is ``member_pid``."""
     shards = tuple(sorted(owned))
     fence = formatted(
-        Q["shard_token_fence"], stall_ms=3000, check_ms=1000, loop="plugin", shards=shards,
-        tokens=tuple(owned[s] for s in shards), newest=NEWEST,
+        Q["shard_token_fence"], stall_ms=3000, check_ms=1000, loop="plugin",
+        member_pid=member_pid, member_class=MEMBER_CLASS, member_objid=member_pid,
+        shards=shards, tokens=tuple(owned[s] for s in shards), newest=newest,
     )  # fmt: skip
     return ";\n".join(("BEGIN", fence))
+
+
+async def member(conn: asyncpg.Connection) -> int:
+    """Make ``conn`` its own member's lock session: the member lock taken. Its pid."""
+    pid: int = conn.get_server_pid()
+    await conn.execute("SELECT pg_advisory_lock($1, $2)", MEMBER_CLASS, pid)
+    return pid
 
 
 def loop_fence(token: int) -> str:
@@ -59,10 +71,10 @@ async def draw(conn: asyncpg.Connection | asyncpg.Pool, row: str) -> int:
 
 
 async def superseded_shards(conn: asyncpg.Connection, owned: dict[int, int]) -> set[int]:
-    """Begin a fenced transaction for ``owned``; the shards the fence refused (empty: it
-    is open)."""
+    """Begin a fenced transaction for ``owned`` (``conn`` its own member); the shards the
+    fence refused (empty: it is open)."""
     try:
-        await conn.execute(shard_fence(owned))
+        await conn.execute(shard_fence(owned, conn.get_server_pid()))
     except asyncpg.PostgresError as exc:
         await conn.execute("ROLLBACK")
         if exc.sqlstate != "SDF01":
@@ -93,6 +105,8 @@ async def test_a_shards_next_owner_waits_for_the_old_owners_open_transaction(
     owned = {3: await draw(pool, "plugin/3"), 5: await draw(pool, "plugin/5")}
     old, successor = await pool.acquire(), await pool.acquire()
     try:
+        await member(old)
+        await member(successor)
         assert await superseded_shards(old, owned) == set()
         await old.execute("INSERT INTO fenced_writes VALUES ('old', 1)")
         drawing = asyncio.ensure_future(draw(successor, "plugin/5"))
@@ -122,6 +136,8 @@ async def test_an_old_owners_transaction_begun_during_the_draw_is_refused(
     owned = {1: await draw(pool, "plugin/1")}
     old, successor = await pool.acquire(), await pool.acquire()
     try:
+        await member(old)
+        await member(successor)
         await successor.execute("BEGIN")
         await draw(successor, "plugin/1")
         beginning = asyncio.ensure_future(superseded_shards(old, owned))
@@ -134,19 +150,30 @@ async def test_an_old_owners_transaction_begun_during_the_draw_is_refused(
         await pool.release(successor)
 
 
-async def test_a_newer_schema_refuses_the_member_before_anything_runs(pool: asyncpg.Pool) -> None:
-    conn = await pool.acquire()
+async def test_a_newer_schema_or_a_member_gone_refuses_before_anything_runs(
+    pool: asyncpg.Pool,
+) -> None:
+    """A newer schema (SDF02); a member whose lock session no longer holds its member
+    lock (SDF01, DETAIL 'member'), even for no shard at all (a take-over's declarations)."""
+    conn, lock_session = await pool.acquire(), await pool.acquire()
     try:
-        fence = formatted(
-            Q["shard_token_fence"], stall_ms=3000, check_ms=1000, loop="plugin", shards=(),
-            tokens=(), newest=1,
-        )  # fmt: skip
         with pytest.raises(asyncpg.PostgresError) as refused:
-            await conn.execute(";\n".join(("BEGIN", fence)))
+            await conn.execute(shard_fence({}, await member(conn), newest=1))
         assert refused.value.sqlstate == "SDF02"
+        await conn.execute("ROLLBACK")
+        pid = await member(lock_session)
+        await conn.execute(shard_fence({}, pid))  # a member: it passes
+        await conn.execute("ROLLBACK")
+        await lock_session.execute("SELECT pg_advisory_unlock_all()")  # its session "ends"
+        with pytest.raises(asyncpg.PostgresError) as refused:
+            await conn.execute(shard_fence({}, pid))
+        assert refused.value.sqlstate == "SDF01"
+        assert refused.value.detail == "member"
     finally:
         await conn.execute("ROLLBACK")
+        await conn.execute("SELECT pg_advisory_unlock_all()")
         await pool.release(conn)
+        await pool.release(lock_session)
 
 
 async def test_a_sharded_layout_and_an_unsharded_leader_supersede_each_other(
@@ -161,6 +188,7 @@ async def test_a_sharded_layout_and_an_unsharded_leader_supersede_each_other(
     unsharded = await draw(pool, "plugin")
     old, newcomer = await pool.acquire(), await pool.acquire()
     try:
+        await member(newcomer)
         # A member joins while the unsharded leader's transaction is open.
         await old.execute(loop_fence(unsharded))
         joining = asyncio.ensure_future(newcomer.fetch(SUPERSEDE, "plugin", ["plugin"]))

@@ -180,12 +180,11 @@ def test_formatted_writes_integers_and_names_only() -> None:
     assert "scheduler_fence('plugin/7', 5, 15)" in fence
     shards = formatted(
         queries("postgres")["shard_token_fence"], stall_ms=1, check_ms=1, loop="plugin",
-        shards=(3, 5), tokens=(71, 2**40 + 9), newest=16,
+        member_pid=4242, member_class=17, member_objid=2**31 + 5, shards=(3, 5),
+        tokens=(71, 2**40 + 9), newest=16,
     )  # fmt: skip
-    assert (
-        "scheduler_fence_shards('plugin', '{3,5}'::integer[], '{71,1099511627785}'::bigint[], 16)"
-        in shards
-    )
+    assert "scheduler_fence_shards('plugin', 4242, 17, 2147483653," in shards
+    assert "'{3,5}'::integer[], '{71,1099511627785}'::bigint[], 16)" in shards
     with pytest.raises(TypeError, match="tuple of ints"):
         formatted(text, stall_ms=("1); DROP TABLE x; --",), statement_ms=1)  # type: ignore[arg-type]
     for hostile in ("1500; DROP TABLE x", "plugin'); DROP TABLE x; --", "Plugin"):

@@ -195,19 +195,19 @@ async def test_fenced_transactions_run_at_once_and_user_sql_leaves_no_session_st
 async def test_sql_sent_with_the_fence_never_runs_for_a_replaced_leader(
     pool: asyncpg.Pool,
 ) -> None:
-    """A transaction for user SQL sends BEGIN and the fence with its first statement, in
-    one message (a `sql` task: two round trips). Once a successor drew its token, the
+    """A `sql` task's transaction (``lazy``) sends BEGIN and the fence with its statement,
+    in one message: two round trips. Once a successor drew its token, the
     fence refuses and PostgreSQL runs nothing after it in that message: not the INSERT,
     nor its statement timeout. Before that, it commits; a transaction in which nothing ran
     begins nothing."""
     leader = Leader(pool, await drawn(pool), "leader")
-    async with leader.fence.transaction() as tx:
+    async with leader.fence.transaction(lazy=True) as tx:
         await tx.execute("INSERT INTO fenced_writes VALUES ('leader', 1)", statement_timeout=5)
-    async with leader.fence.transaction():
+    async with leader.fence.transaction(lazy=True):
         pass  # nothing sent, nothing to commit
     await drawn(pool)  # a successor
     with pytest.raises(LeadershipLost):
-        async with leader.fence.transaction() as tx:
+        async with leader.fence.transaction(lazy=True) as tx:
             await tx.execute("INSERT INTO fenced_writes VALUES ('leader', 2)", statement_timeout=5)
     assert await writes(pool) == [("leader", 1)]
     assert leader.lost == ["a newer leader drew the loop's fencing token"]

@@ -359,7 +359,7 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _pool_fits_transaction_mode(self) -> Settings:
         # Transaction mode works on pooled connections only, and a heartbeat's proof that
-        # waited for a free one counts as failed (leadership/base.py): the hold steps down
+        # waited for a free one counts as failed (leadership/heartbeat.py): the hold steps down
         # and its work is cancelled on a healthy leader. So the pool fits everything that
         # can hold a connection at once, and no proof ever waits for one.
         if self.lock.mode != "transaction":

@@ -119,7 +119,7 @@ class LockSettings(Section):
         learns so (its proof unanswered one interval later) before the server can free its
         lock for a standby: two replicas never both say they lead. Never more often than
         a working leader. Its work starts on a fresh proof, and is then held to the
-        step-down bound as always (leadership/base.py, ``heartbeat``)."""
+        step-down bound as always (leadership/heartbeat.py)."""
         before_freed = self.server_frees_lock_after - self.heartbeat_interval - TIMING_MARGIN
         return max(self.heartbeat_interval, min(self.stall_timeout / 3, before_freed))
 

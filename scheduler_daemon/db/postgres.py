@@ -175,8 +175,8 @@ NO_FENCE: Mapping[str, Any] = {"fence_loop": None, "fence_token": None, "fence_n
 
 class PgTx:
     """A transaction's statements. ``statement_lock``: taken around each statement, so that a
-    heartbeat can talk on the same connection between them (a sharded member's lock
-    connection: see the session guard's heartbeat). ``fence``: the values of the
+    heartbeat can talk on the same connection between them (a hold's connection in
+    transaction mode; a pooled transaction's keeper, leadership/session_lease.py). ``fence``: the values of the
     ``fence_*`` parameters of the statements that fence themselves."""
 
     def __init__(

@@ -291,16 +291,27 @@ RETURNING token, (SELECT token FROM previous) AS previous
 
 -- name: fencing_supersede
 -- The other layout's fencing rows of a loop superseded, for a leader that takes it in
--- this layout (docs/leadership.md "Shards"): an unsharded leader supersedes every shard's
--- row (':loop/<n>', :rows NULL), the first member of a sharded layout the loop's own row
--- (:rows, the one name). Each row's token moves on, which waits for every transaction
--- still fenced by it (their FOR SHARE) and fails every later one, as a draw does; the rows'
--- owners, and draws, stay as they were (the next owner draws its own token, higher still:
--- tokens come from the loop's sequence). The names of the rows superseded.
-UPDATE scheduler_fencing SET token = token + 1, changed_at = now()
-WHERE CASE WHEN :rows::text[] IS NULL THEN loop ~ ('^' || :loop::text || '/[0-9]+$')
-           ELSE loop = ANY(:rows::text[]) END
-RETURNING loop
+-- this layout (docs/leadership.md "Shards"): every shard's row (':loop/<n>', :rows NULL)
+-- for an unsharded leader, and for the first member of a sharded layout (the shards of
+-- another count, or of members gone); the loop's own row (:rows, the one name) for every
+-- member that joins. Each row's token moves on by one, which waits for every transaction
+-- still fenced by it (their FOR SHARE) and fails every later one, as a draw does; the
+-- rows' owners, and draws, stay as they were. The next owner draws a token of its own
+-- from the loop's sequence, which nobody held: it may not be above the row's superseded
+-- value (that one no leader held either), and only equality counts in a fence. The rows
+-- are locked in shard order first, as the
+-- fence takes them, so the two never wait for each other in a cycle. The names of the
+-- rows superseded.
+WITH rows AS MATERIALIZED (
+    SELECT loop FROM scheduler_fencing
+    WHERE CASE WHEN :rows::text[] IS NULL THEN loop ~ ('^' || :loop::text || '/[0-9]+$')
+               ELSE loop = ANY(:rows::text[]) END
+    ORDER BY length(loop), loop
+    FOR UPDATE
+)
+UPDATE scheduler_fencing f SET token = f.token + 1, changed_at = now()
+FROM rows WHERE f.loop = rows.loop
+RETURNING f.loop
 
 -- name: leader_predecessor
 -- Read by a new leader before it claims the row: the schema version (an older replica
@@ -391,13 +402,15 @@ SELECT scheduler_fence({loop}, {token}, {newest})
 -- name: shard_token_fence
 -- A sharded member's fenced transaction on a pooled connection (leadership/shard_lease.py),
 -- as token_fence for a loop: the same settings, then scheduler_fence_shards (migration
--- 0016): the fencing row of each shard asked FOR SHARE, each token still the one given
--- (the two arrays in the same order), the schema not newer than this build knows, or an
--- error (SDF01, DETAIL: the shards superseded; SDF02).
+-- 0016): the member's lock session still a member, the fencing row of each shard asked
+-- FOR SHARE, each token still the one given (the two arrays in the same order), the
+-- schema not newer than this build knows, or an error (SDF01, DETAIL: the shards
+-- superseded, or 'member'; SDF02).
 SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
 SET LOCAL idle_in_transaction_session_timeout = {stall_ms};
 SET LOCAL client_connection_check_interval = {check_ms};
-SELECT scheduler_fence_shards({loop}, {shards}::integer[], {tokens}::bigint[], {newest})
+SELECT scheduler_fence_shards({loop}, {member_pid}, {member_class}, {member_objid},
+                              {shards}::integer[], {tokens}::bigint[], {newest})
 
 -- name: session_clean
 -- After a task's or a publisher's SQL on a pooled connection (session mode), sent with

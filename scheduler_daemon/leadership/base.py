@@ -104,6 +104,12 @@ class Lease(Protocol):
         such SQL (session mode's savepoint and restore)."""
         ...
 
+    async def run_sql(self, sql: str, statement_timeout: float) -> None:
+        """One statement of user SQL (a ``sql`` task's) in a fenced transaction of its
+        own, with its own timeout: as ``transaction()``, where a guard may send the fence
+        with the statement (session mode: two round trips, not three)."""
+        ...
+
     def statements(self) -> AbstractAsyncContextManager[Tx]:
         """Statements that each fence themselves, outside a transaction (session mode:
         leadership/session_lease.py): one round trip a write, for the loops' bookkeeping

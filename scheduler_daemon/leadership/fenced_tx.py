@@ -5,6 +5,7 @@ each fence themselves outside one (``SelfFencedTx``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -107,6 +108,10 @@ class PooledTx(PgTx):
             await self.conn.execute(message, timeout=limit)
         except asyncpg.PostgresError as exc:
             if exc.sqlstate in (SUPERSEDED, SCHEMA_NEWER):
+                # Rolled back before the loss is said: saying it cancels the work that
+                # waits here, which would leave the transaction open for the pool's reset.
+                with contextlib.suppress(Exception):
+                    await self.conn.execute("ROLLBACK")
                 self._refused(exc)
             raise
 

@@ -5,7 +5,7 @@ proof fails, does not answer in time, or comes late because the process was froz
 Each PostgreSQL guard gives it its own proof (session mode: the lock session's entry in the lock
 manager; transaction mode: a hold's; sharded: the member lock and its shards). The lease
 state it reads and writes (``last_proven``, ``proof``, ``quiet_interval``, ``replan``,
-``proof_wanted``, ``proved``) is ``LeaseState``'s (leadership/base.py).
+``proof_wanted``, ``proved``) is ``LeaseState``'s (leadership/lease_state.py).
 """
 
 from __future__ import annotations

@@ -232,6 +232,10 @@ class LeaseState:
     def statements(self) -> AbstractAsyncContextManager[Tx]:
         return self.transaction(only_ours=True)
 
+    async def run_sql(self, sql: str, statement_timeout: float) -> None:
+        async with self.transaction() as tx:
+            await tx.execute(sql, statement_timeout=statement_timeout)
+
     def hold(self) -> AbstractAsyncContextManager[Lease]:
         return _AlreadyHeld(self)
 

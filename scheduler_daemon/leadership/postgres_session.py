@@ -3,7 +3,8 @@
 Why a dedicated connection: asyncpg resets a pooled connection with
 ``pg_advisory_unlock_all()`` when it is released, so a session lock taken through a pool
 is dropped at once, and lock and unlock could land on different connections. The guard
-owns one connection per loop; lock, ticks and unlock all run on it.
+owns one connection per loop, which holds and proves the lock and nothing else; the
+leader's work runs on the pool, fenced by its token (leadership/session_lease.py).
 
 Standbys *wait* on ``pg_advisory_lock`` (``standby = "wait"``), so PostgreSQL hands the
 lock over the moment the leader's session ends. The wait is one statement, for as long as
@@ -21,12 +22,12 @@ nothing else would ever free its lock; a live leader talks on it at least every
 config/timing.py). No replica has to poll for stalled leaders.
 
 While leading, a heartbeat proves every ``heartbeat_interval``, on the lock connection,
-that the database still sees this session holding the key (one read-only statement; a
-fenced transaction of a tick proves the same and stands in for it). While no work of the
+that the database still sees this session holding the key (one read-only statement).
+While no work of the
 leadership runs, only every ``lock.quiet_proof_interval``, and its next tick waits for a
 fresh proof first (``heartbeat``'s ``quiet``). The proof talks on the lock connection
-itself, between two statements of a transaction if one is open (the statement lock), and
-through the pool only while a statement runs on it. The lock connection's own end is
+itself (a sharded member's also carries the rebalancer's statements: between two of
+them, the statement lock), and through the pool only while a statement runs on it. The lock connection's own end is
 noticed at once (asyncpg's termination listener): a terminated backend, a restarted
 server, the server's idle timeout. Any of these ends the leadership: its work is cancelled
 and waited for, and only then is the connection closed. The order matters where the
@@ -195,7 +196,7 @@ class SessionGuard(GuardBase[PostgresStore]):
             instance = self.settings.instance_id
             row = fencing_row(self.loop, self.key)
             drawn = await locks.draw_token(row, instance)
-            if row == self.loop:
+            if self.loop == "plugin" and row == self.loop:
                 # Members of a sharded layout that led before (their sessions are gone, or
                 # we would not hold the key) may still have fenced transactions open, each
                 # fenced by its shard's row: moved on, which waits for them and fails any
@@ -318,10 +319,9 @@ class SessionGuard(GuardBase[PostgresStore]):
     async def _prove(self, lease: SessionLease) -> bool:
         """One heartbeat: the database still sees our lock session holding the key.
 
-        Asked on the lock connection itself whenever nothing else is talking on it: when
-        no transaction holds it, or between two statements of one (a Python publisher
-        awaiting an API, a task's ``ctx.transaction()``). That restarts the server's idle
-        timeouts, so the server's clock of our silence never runs ahead of the proofs the
+        Asked on the lock connection itself whenever nothing else is talking on it (the
+        lock connection carries nothing else; a sharded member's, the rebalancer's
+        statements too). That restarts the server's idle timeouts, so the server's clock of our silence never runs ahead of the proofs the
         step-down is timed from (the event loop runs nothing else between the check and
         the taking of a lock). Through the pool only while a statement runs on it, when
         the session is busy and no idle timeout runs."""

@@ -176,11 +176,14 @@ class TokenFence:
 
     @asynccontextmanager
     async def transaction(
-        self, *, only_ours: bool = False, check: FenceCheck | None = None
+        self, *, only_ours: bool = False, check: FenceCheck | None = None, lazy: bool = False
     ) -> AsyncIterator[PgTx]:
         """A fenced transaction, by the loop's token or by ``check``. ``only_ours``: the
         loops' bookkeeping, never user SQL (which waits for one of the pool's places left
-        to it, and leaves the session as it found it)."""
+        to it, and leaves the session as it found it). ``lazy``: the fence goes with the
+        first statement (one statement of user SQL: :meth:`SessionLease.run_sql`); else it
+        is taken on entry, and held for all of the body (a ``ctx.transaction()`` that
+        calls an API before its first statement does so fenced)."""
         places = contextlib.nullcontext() if only_ours else self._user_places
         check = check or self._loop_check
         async with places:
@@ -190,7 +193,7 @@ class TokenFence:
             # does.
             self._in_use[conn] = _shards_of(check)
             try:
-                async with self._fenced(conn, only_ours, check) as tx:
+                async with self._fenced(conn, only_ours, check, lazy) as tx:
                     yield tx
             finally:
                 await self._release(conn)
@@ -221,16 +224,16 @@ class TokenFence:
 
     @asynccontextmanager
     async def _fenced(
-        self, conn: asyncpg.Connection, only_ours: bool, check: FenceCheck
+        self, conn: asyncpg.Connection, only_ours: bool, check: FenceCheck, lazy: bool
     ) -> AsyncIterator[PgTx]:
-        # User SQL (a `sql` task, a publisher's, ctx.transaction()) usually sends one
-        # statement: the fence goes with it. The loops' bookkeeping sends statements with
-        # parameters, which cannot share a message: the fence goes first.
+        # A `sql` task's one statement takes the fence with it, in one message; everything
+        # else takes it first (its statements carry parameters, which cannot share a
+        # message, or it must be fenced from its start).
         prelude = None
-        if only_ours or check.narrows:
-            check = await self._begin(conn, check)
-        else:
+        if lazy and not only_ours and not check.narrows:
             prelude = self._prelude(check)
+        else:
+            check = await self._begin(conn, check)
         self._in_use[conn] = _shards_of(check)
         statement_lock = asyncio.Lock()
         tx = PooledTx(
@@ -382,6 +385,17 @@ class SessionLease(LeaseState):
             self._closed_already()  # the failure is the closed session showing
             raise
 
+    async def run_sql(self, sql: str, statement_timeout: float) -> None:
+        self._closed_already()
+        if self.lost.is_set():
+            raise LeadershipLost(self.reason or "lost")
+        try:
+            async with self.fence.transaction(lazy=True) as tx:
+                await tx.execute(sql, statement_timeout=statement_timeout)
+        except BaseException:
+            self._closed_already()
+            raise
+
     @asynccontextmanager
     async def statements(self) -> AsyncIterator[PgTx]:
         self._closed_already()
@@ -407,10 +421,6 @@ class SessionLease(LeaseState):
         land, which on a dead socket it never does."""
         self.conn.terminate()
         self.fence.terminate()
-
-    def _fence_broken(self, reason: str) -> None:
-        self.lose(reason, lock_may_be_free=True)
-        raise LeadershipLost(reason)
 
 
 def _shards_of(check: FenceCheck) -> frozenset[int] | None:

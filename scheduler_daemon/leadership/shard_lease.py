@@ -61,7 +61,7 @@ class ShardCheck:
     others."""
 
     loop: str
-    count: int
+    member: MemberLease
     leases: tuple[ShardLease, ...]
     require_all: bool
 
@@ -75,17 +75,24 @@ class ShardCheck:
 
     @property
     def scope(self) -> ShardScope:
-        return ShardScope(self.count, {s.shard: s.fencing_token for s in self.leases})
+        tokens = {s.shard: s.fencing_token for s in self.leases}
+        return ShardScope(self.member.keys.count, tokens)
 
     def statement(self, *, stall_ms: int, check_ms: int, newest: int) -> str:
         ordered = sorted(self.leases, key=lambda lease: lease.shard)
+        locks = self.member.locks
         return formatted(
             QUERIES["shard_token_fence"], stall_ms=stall_ms, check_ms=check_ms, loop=self.loop,
-            shards=tuple(s.shard for s in ordered),
+            member_pid=self.member.backend_pid, member_class=locks.member_class,
+            member_objid=locks.member_objid, shards=tuple(s.shard for s in ordered),
             tokens=tuple(s.fencing_token for s in ordered), newest=newest,
         )  # fmt: skip
 
     def superseded(self, detail: str) -> FenceCheck:
+        if detail == "member":
+            reason = "its lock session no longer holds the member lock"
+            self.member.lose(reason, lock_may_be_free=True)
+            raise LeadershipLost(reason)
         gone = {int(shard) for shard in detail.split(",") if shard.strip()}
         lost = [lease for lease in self.leases if lease.shard in gone]
         if not lost:  # not an answer about these shards: nothing to go on with
@@ -95,7 +102,7 @@ class ShardCheck:
         if self.require_all:
             raise LeadershipLost("a newer owner drew its shard's fencing token")
         rest = tuple(lease for lease in self.leases if lease.shard not in gone)
-        return ShardCheck(self.loop, self.count, rest, self.require_all)
+        return ShardCheck(self.loop, self.member, rest, self.require_all)
 
 
 class ShardLease(LeaseState):
@@ -124,6 +131,11 @@ class ShardLease(LeaseState):
 
     def transaction(self, *, only_ours: bool = False) -> AbstractAsyncContextManager[PgTx]:
         return self.member.fenced([self], only_ours=only_ours, require_all=True)
+
+    async def run_sql(self, sql: str, statement_timeout: float) -> None:
+        fenced = self.member.fenced([self], only_ours=False, require_all=True, lazy=True)
+        async with fenced as tx:
+            await tx.execute(sql, statement_timeout=statement_timeout)
 
     def spawn(
         self, work: Coroutine[Any, Any, T], name: str, *, service: bool = False
@@ -211,6 +223,11 @@ class MemberLease(SessionLease):
     ) -> AbstractAsyncContextManager[PgTx]:
         return self.fenced(self.active_shards(), only_ours=only_ours)
 
+    async def run_sql(self, sql: str, statement_timeout: float) -> None:
+        # A member's own (its shards' runs have theirs): fenced for all its shards.
+        async with self.fenced(self.active_shards(), only_ours=False) as tx:
+            await tx.execute(sql, statement_timeout=statement_timeout)
+
     def statements(  # type: ignore[override]  # a context manager, built another way
         self,
     ) -> AbstractAsyncContextManager[PgTx]:
@@ -219,7 +236,12 @@ class MemberLease(SessionLease):
 
     @asynccontextmanager
     async def fenced(
-        self, shards: Sequence[ShardLease], *, only_ours: bool, require_all: bool = False
+        self,
+        shards: Sequence[ShardLease],
+        *,
+        only_ours: bool,
+        require_all: bool = False,
+        lazy: bool = False,
     ) -> AsyncIterator[PgTx]:
         """A fenced transaction on a pooled connection, for ``shards`` (those of them whose
         token is still their shard's: a shard found superseded is lost from here on;
@@ -229,9 +251,9 @@ class MemberLease(SessionLease):
         self._closed_already()
         if self.lost.is_set():
             raise LeadershipLost(self.reason or "lost")
-        check = ShardCheck(self.fence.loop, self.keys.count, tuple(shards), require_all)
+        check = ShardCheck(self.fence.loop, self, tuple(shards), require_all)
         try:
-            async with self.fence.transaction(only_ours=only_ours, check=check) as tx:
+            async with self.fence.transaction(only_ours=only_ours, check=check, lazy=lazy) as tx:
                 yield tx
         except BaseException:
             self._closed_already()

@@ -31,7 +31,7 @@ from ..db.postgres import PostgresStore
 from ..errors import describe
 from ..schema_gate import SchemaNewer
 from .assignment import Member, assign
-from .base import GuardBase
+from .base import GuardBase, LeadershipLost
 from .postgres_session import wait_for_predecessor
 from .shard_keys import ShardKeys, member_name
 from .shard_lease import MemberLease, ShardLease, View
@@ -161,7 +161,7 @@ class Rebalancer:
         try:
             # Drawn on the pool: a draw waits for the old owner's fenced transactions
             # still open, and the heartbeat goes on on the lock connection meanwhile.
-            tokens, stale = await self._claim(taken)
+            tokens, stale = await self._claim(lease, taken)
             async with lease.transaction_lock, lease.statement_lock:
                 await self._record(conn, tokens)
             waited = await self._settle_all(stale)
@@ -245,7 +245,9 @@ class Rebalancer:
         _, sep, shard = loop.partition("/")
         return bool(sep) and shard.isdigit() and int(shard) < self.keys.count
 
-    async def _claim(self, shards: list[int]) -> tuple[dict[int, int], list[StaleLeader]]:
+    async def _claim(
+        self, lease: MemberLease, shards: list[int]
+    ) -> tuple[dict[int, int], list[StaleLeader]]:
         """Per shard taken, its token; and the rows of every leader of the loop that did
         not hand over and whose session no longer holds what it led. Not only these
         shards' last leaders: a leader of another layout (the loop unsharded, or another
@@ -254,11 +256,21 @@ class Rebalancer:
 
         Each shard's draw waits for the transactions its old owner still has open, fenced
         by the shard's row, and fails every later one (leadership/shard_lease.py): drawn
-        in shard order, as the fence takes the rows, so the two never wait in a cycle."""
+        in shard order, as the fence takes the rows, so the two never wait in a cycle.
+
+        On the pool, so bounded as a fenced transaction is: a member frozen in it is cut
+        off by the server after stall_timeout (its lock session by then too), which lets
+        go of the rows; and it commits only if the lock session still holds the shards (a
+        member frozen between taking them and drawing may have lost them meanwhile: its
+        draw would supersede their next owner)."""
         tokens: dict[int, int] = {}
         me = (self.instance, os.getpid())
         async with self.store.pool.acquire() as conn, conn.transaction():
             locks = PgLockStore(conn)
+            await locks.limit_transaction(
+                stall_ms=round(self.settings.lock.stall_timeout * 1000),
+                statement_ms=round(self.settings.database.statement_timeout * 1000),
+            )
             stale = [
                 leader
                 for leader in await locks.stale_leaders(self.loop, self.keys.shard_class)
@@ -269,6 +281,11 @@ class Rebalancer:
                 found = await locks.predecessor(name, key)
                 self.schema.check(found.schema_version, self.log, "lock granted")
                 tokens[shard] = (await locks.draw_token(name, self.instance)).token
+            state = await locks.member_state(lease.backend_pid, lease.locks)
+            if not state.member or not set(shards) <= set(state.shards):
+                reason = "the lock session lost the shards it took before their tokens were drawn"
+                lease.lose(reason, lock_may_be_free=True)  # the session is gone: so is the member
+                raise LeadershipLost(reason)
         return tokens, stale
 
     async def _record(self, conn: asyncpg.Connection, tokens: dict[int, int]) -> None:

@@ -27,10 +27,10 @@ and a *watch*: each member waits on a connection of its own for the member lock 
 member in pid order, which the server grants the moment that member's session ends, so
 the survivors hear of a death within milliseconds, not at a poll.
 
-A fenced transaction checks, in its first statement, the member lock and each shard it is
-for, and holds all of them at transaction level (SQL run in it cannot free them); then
-every claim and result statement checks each shard's fencing token against its current one
-(db/postgres.sql). docs/leadership.md has the guarantees and the failure matrix.
+A member's fenced transactions run on its pool, each checking in its first statement
+that its lock session is still a member and that each shard's token is still the one it
+drew, the shard's fencing row held FOR SHARE (leadership/shard_lease.py); then every claim
+and result statement checks each shard's token again (db/postgres.sql). docs/leadership.md has the guarantees and the failure matrix.
 
 This module is the guard (``ShardedSessionGuard``): it joins, proves the membership (the
 heartbeat), watches the next member and leaves. The leases and their fenced transactions
@@ -50,7 +50,7 @@ import asyncpg
 
 from ..aio import wait_any
 from ..db.connect import is_database_error
-from ..db.lock_store import PgLockStore
+from ..db.lock_store import MemberLocks, PgLockStore
 from ..db.postgres import ask_between_statements, detect_dead_peer
 from ..errors import describe
 from .assignment import Member
@@ -96,7 +96,6 @@ class ShardedSessionGuard(SessionGuard):
         try:
             await self._limit_session(conn)
             backend_pid = await self._join(conn)
-            await self._supersede_unsharded(conn)
             since = await PgLockStore(conn).now()
         except BaseException:
             conn.terminate()
@@ -174,6 +173,7 @@ class ShardedSessionGuard(SessionGuard):
                     # dead member whose pid the server has since given to this session.
                     objid = _signed(keys.member_objid(pid))
                     if await locks.take_member_lock(keys.member_class, objid):
+                        await self._supersede_other_layouts(locks, pid)
                         return pid
                     why = "this session's member lock is held by a watch; trying again"
                     await locks.unshare_loop_key(self.key)
@@ -186,12 +186,20 @@ class ShardedSessionGuard(SessionGuard):
             if await wait_any([self.stop, self.schema.newer], self.lock.poll_interval):
                 raise Stopping if self.stop.is_set() else self.schema.error()
 
-    async def _supersede_unsharded(self, conn: asyncpg.Connection) -> None:
-        """A member, joined: no transaction of a leader of the loop unsharded (whose lock
-        session has ended, or we would not have joined) commits from now on. Its fenced
-        transactions are on pooled connections, fenced by the loop's own row, which no
-        shard's draw touches: moved on here, which waits for those still open."""
-        await PgLockStore(conn).supersede(self.loop, [fencing_row(self.loop, self.key)])
+    async def _supersede_other_layouts(self, locks: PgLockStore, pid: int) -> None:
+        """A member, joined (under the gate): no transaction of another layout commits
+        from now on. Their fenced transactions are on pooled connections, which outlive
+        their lock sessions: a leader of the loop unsharded (fenced by the loop's own row,
+        which no shard's draw touches) and, for the first member of this layout, members
+        of another shard count, or gone (fenced by shard rows this layout may never draw,
+        or draw only after another shard's owner ran the schedules that moved). Moved
+        on, which waits for those still open."""
+        await locks.supersede(self.loop, [fencing_row(self.loop, self.key)])
+        mine = MemberLocks(
+            self.keys.member_class, self.keys.member_objid(pid), self.keys.shard_class
+        )
+        if list((await locks.member_state(pid, mine)).members) == [pid]:
+            await locks.supersede(self.loop, None)
 
     async def _leave(self, lease: MemberLease, graceful: bool) -> None:
         shards = sorted(lease.shards)

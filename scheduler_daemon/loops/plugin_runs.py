@@ -378,10 +378,9 @@ class PluginRuns:
 
     async def _execute(self, spec: TaskSpec, ctx: TaskContext, hold: Lease, log: Logger) -> None:
         if spec.sql is not None:
-            async with hold.transaction() as tx:
-                # Lift the session's statement_timeout to the task's own, a little past
-                # it, so our deadline fires first: timed_out.
-                await tx.execute(spec.sql, statement_timeout=spec.timeout + 1.0)
+            # The session's statement_timeout lifted to the task's own, a little past it,
+            # so that our deadline fires first: timed_out.
+            await hold.run_sql(spec.sql, statement_timeout=spec.timeout + 1.0)
         elif spec.is_async:
             await spec.call(ctx)
         else:

@@ -10,12 +10,17 @@
 -- taken in shard order: a draw of several shards in one transaction takes them in that
 -- order too, so the two never wait for each other in a cycle.
 --
+-- It also checks that the member's lock session (backend member_pid) still holds its
+-- member lock: a member whose session has ended commits nothing, not even for no shard
+-- (a take-over's declarations).
+--
 -- The answer is true, or an error:
 --   SDF01  tokens superseded; DETAIL: those shards, comma-separated (the caller loses
---          them and may fence again for the rest)
+--          them and may fence again for the rest), or 'member' (the member is gone)
 --   SDF02  the schema is newer than the caller knows (DETAIL: the version)
 CREATE FUNCTION scheduler_fence_shards(
-    fence_loop text, shards integer[], tokens bigint[], newest_known integer
+    fence_loop text, member_pid integer, member_class bigint, member_objid bigint,
+    shards integer[], tokens bigint[], newest_known integer
 )
 RETURNS boolean
 LANGUAGE plpgsql AS $$
@@ -29,6 +34,15 @@ BEGIN
     IF found > newest_known THEN
         RAISE EXCEPTION 'the schema is at version %, newer than this build knows (%)',
             found, newest_known USING ERRCODE = 'SDF02', DETAIL = found::text;
+    END IF;
+    IF NOT EXISTS (
+        SELECT 1 FROM pg_locks l
+        WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted AND l.pid = member_pid
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+          AND l.classid::bigint = member_class AND l.objid::bigint = member_objid
+    ) THEN
+        RAISE EXCEPTION 'backend % no longer holds the member lock of loop %',
+            member_pid, fence_loop USING ERRCODE = 'SDF01', DETAIL = 'member';
     END IF;
     FOR owned IN
         SELECT s.shard, s.token FROM unnest(shards, tokens) AS s(shard, token) ORDER BY s.shard
@@ -49,6 +63,6 @@ END $$;
 
 DO $$
 BEGIN
-    EXECUTE format('ALTER FUNCTION scheduler_fence_shards(text, integer[], bigint[], integer) '
+    EXECUTE format('ALTER FUNCTION scheduler_fence_shards(text, integer, bigint, bigint, integer[], bigint[], integer) '
                    'SET search_path = %I, pg_temp', current_schema());
 END $$;
