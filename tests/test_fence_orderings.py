@@ -17,6 +17,8 @@ partitions) is the chaos slice, tests/test_leadership.py and tests/test_shards.p
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 
 import asyncpg
@@ -97,6 +99,23 @@ async def owning(member: MemberLease, count: int) -> None:
     await until(owns, f"{count} shards owned", 30)
 
 
+@asynccontextmanager
+async def two_members(pg_url: str) -> AsyncIterator[tuple[asyncpg.Pool, Guard, Guard]]:
+    """Two replicas' sharded guards (SHARDS shards), each on a store of its own, and the
+    first one's pool; the stores closed after."""
+    settings = Settings(
+        database_url=pg_url, plugin={"shards": SHARDS},
+        lock={"heartbeat_interval": 0.2, "stop_grace": 0.5, "stall_timeout": 3},
+    )  # fmt: skip
+    stores = [await open_store(settings), await open_store(settings)]
+    try:
+        first, second = (guard_on(store, settings) for store in stores)
+        yield stores[0].pool, first, second  # type: ignore[attr-defined]
+    finally:
+        for store in stores:
+            await store.close()
+
+
 async def test_sharded_a_shards_old_owner_commits_nothing_after_its_successor_took_it(
     pg_url: str,
 ) -> None:
@@ -106,14 +125,7 @@ async def test_sharded_a_shards_old_owner_commits_nothing_after_its_successor_to
     what the old owner wrote commits first. After the draw, the old owner's next
     transaction for both shards goes on for the one still its own; a claim scoped by the
     moved shard's old token claims nothing."""
-    settings = Settings(
-        database_url=pg_url, plugin={"shards": SHARDS},
-        lock={"heartbeat_interval": 0.2, "stop_grace": 0.5, "stall_timeout": 3},
-    )  # fmt: skip
-    stores = [await open_store(settings), await open_store(settings)]
-    pool = stores[0].pool  # type: ignore[attr-defined]
-    first, second = (guard_on(store, settings) for store in stores)
-    try:
+    async with two_members(pg_url) as (pool, first, second):
         await pool.execute("CREATE TABLE fenced_writes (who text, n int)")
         due: datetime = await pool.fetchval(
             "INSERT INTO scheduler_plugin_tasks (name, schedule, next_run_at, source) "
@@ -144,9 +156,6 @@ async def test_sharded_a_shards_old_owner_commits_nothing_after_its_successor_to
             assert successor[moved] > leases[moved].fencing_token
         rows = await pool.fetch("SELECT who, n FROM fenced_writes")
         assert [(r["who"], r["n"]) for r in rows] == [("old", 1)]
-    finally:
-        for store in stores:
-            await store.close()
 
 
 async def a_draw_waits(pool: asyncpg.Pool) -> bool:
@@ -175,15 +184,8 @@ async def test_sharded_the_first_member_of_a_layout_supersedes_every_other_layou
     and the loop's own: rows of another shard count (shard 5 of 8, which 2 shards never
     draw) or of members gone, whose pooled transactions may outlive their sessions. A
     second member, joining beside it, leaves the shard rows alone."""
-    settings = Settings(
-        database_url=pg_url, plugin={"shards": SHARDS},
-        lock={"heartbeat_interval": 0.2, "stop_grace": 0.5, "stall_timeout": 3},
-    )  # fmt: skip
-    stores = [await open_store(settings), await open_store(settings)]
-    pool = stores[0].pool  # type: ignore[attr-defined]
-    first, second = (guard_on(store, settings) for store in stores)
     tokens = "SELECT loop, token FROM scheduler_fencing WHERE loop LIKE 'plugin%'"
-    try:
+    async with two_members(pg_url) as (pool, first, second):
         old = {row: await pool.fetchval(DRAW, row, "old") for row in ("plugin", "plugin/5")}
         async with first.leadership() as member:
             assert isinstance(member, MemberLease)
@@ -195,6 +197,3 @@ async def test_sharded_the_first_member_of_a_layout_supersedes_every_other_layou
             async with second.leadership():
                 after = {r["loop"]: r["token"] for r in await pool.fetch(tokens)}
                 assert after["plugin/5"] == before["plugin/5"], "a second member moves none"
-    finally:
-        for store in stores:
-            await store.close()

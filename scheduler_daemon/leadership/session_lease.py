@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
@@ -210,17 +210,10 @@ class TokenFence:
         try:
             yield SelfFencedTx(conn, self.token, fence=self._statement_fence)
         except asyncpg.PostgresError as exc:
-            self._superseded(exc)
+            self._refused(exc, self._loop_check)
             raise
         finally:
             await self._release(conn)
-
-    def _superseded(self, exc: asyncpg.PostgresError) -> None:
-        """What scheduler_fence said, as what it means here (a loss, a newer schema)."""
-        if exc.sqlstate == SUPERSEDED:
-            self._loop_check.superseded(exc.detail or "")
-        if exc.sqlstate == SCHEMA_NEWER:
-            self.schema.check(int(exc.detail or 0), self.log, "fence")
 
     @asynccontextmanager
     async def _fenced(
@@ -292,7 +285,9 @@ class TokenFence:
         return ";\n".join(("BEGIN", fence))
 
     def _refused(self, exc: asyncpg.PostgresError, check: FenceCheck) -> None:
-        """What the fence of a prelude sent with a statement said (it does not narrow)."""
+        """What ``check``'s fence said, as what it means here (a loss, a newer schema),
+        where the answer cannot narrow what is fenced: a check that superseded() narrows
+        is retried by ``_begin``."""
         if exc.sqlstate == SUPERSEDED:
             check.superseded(exc.detail or "")
         if exc.sqlstate == SCHEMA_NEWER:
@@ -308,7 +303,7 @@ class TokenFence:
             except asyncpg.PostgresError as exc:
                 await self._end(conn, "ROLLBACK", only_ours=True)
                 if exc.sqlstate != SUPERSEDED:
-                    self._superseded(exc)
+                    self._refused(exc, check)
                     raise
                 check = check.superseded(exc.detail or "")
 
@@ -367,42 +362,31 @@ class SessionLease(LeaseState):
             lambda reason: self.lose(reason, lock_may_be_free=True),
         )  # fmt: skip
 
-    @asynccontextmanager
-    async def transaction(self, *, only_ours: bool = False) -> AsyncIterator[PgTx]:
+    def transaction(self, *, only_ours: bool = False) -> AbstractAsyncContextManager[PgTx]:
         """A fenced transaction, on a pooled connection (leadership/session_lease.py): it
         cannot commit once a successor drew its fencing token, and SQL run in it cannot
         reach the lock, which another session holds. Several run at once.
 
         ``only_ours`` (the loops' own bookkeeping): no user SQL runs, so the transaction
         needs none of the pool's places kept for it, nor the session clean-up after it."""
-        self._closed_already()
-        if self.lost.is_set():
-            raise LeadershipLost(self.reason or "lost")
-        try:
-            async with self.fence.transaction(only_ours=only_ours) as tx:
-                yield tx
-        except BaseException:
-            self._closed_already()  # the failure is the closed session showing
-            raise
+        return self._while_held(self.fence.transaction(only_ours=only_ours))
 
     async def run_sql(self, sql: str, statement_timeout: float) -> None:
-        self._closed_already()
-        if self.lost.is_set():
-            raise LeadershipLost(self.reason or "lost")
-        try:
-            async with self.fence.transaction(lazy=True) as tx:
-                await tx.execute(sql, statement_timeout=statement_timeout)
-        except BaseException:
-            self._closed_already()
-            raise
+        async with self._while_held(self.fence.transaction(lazy=True)) as tx:
+            await tx.execute(sql, statement_timeout=statement_timeout)
+
+    def statements(self) -> AbstractAsyncContextManager[PgTx]:
+        return self._while_held(self.fence.statements())
 
     @asynccontextmanager
-    async def statements(self) -> AsyncIterator[PgTx]:
+    async def _while_held(self, opened: AbstractAsyncContextManager[PgTx]) -> AsyncIterator[PgTx]:
+        """``opened``'s transaction, refused once the lease is lost; a failure in it that
+        is the lock connection's end showing is said as the loss it is."""
         self._closed_already()
         if self.lost.is_set():
             raise LeadershipLost(self.reason or "lost")
         try:
-            async with self.fence.statements() as tx:
+            async with opened as tx:
                 yield tx
         except BaseException:
             self._closed_already()

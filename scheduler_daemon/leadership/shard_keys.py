@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from ..db.lock_store import MemberLocks
+
 _PID_BITS = 22  # Linux pids stay below 2^22 (pid_max's ceiling)
 
 
@@ -34,6 +36,10 @@ class ShardKeys:
 
     def member_objid(self, backend_pid: int) -> int:
         return (self.count - 1) << _PID_BITS | backend_pid
+
+    def member_locks(self, backend_pid: int) -> MemberLocks:
+        """The member locks of the member whose lock session is ``backend_pid``."""
+        return MemberLocks(self.member_class, self.member_objid(backend_pid), self.shard_class)
 
     def lock_key(self, shard: int) -> int:
         """The shard's lock as one bigint (scheduler_leaders.lock_key): class, then shard."""

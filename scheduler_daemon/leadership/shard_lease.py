@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..db.base import ShardScope
-from ..db.lock_store import MemberLocks, MemberState
+from ..db.lock_store import MemberState
 from ..db.postgres import PgTx
 from ..db.sqlfiles import formatted, queries
 from .assignment import Member
@@ -157,7 +157,7 @@ class MemberLease(SessionLease):
         self.keys = keys
         self.metrics = metrics
         self.member_objid = keys.member_objid(self.backend_pid)
-        self.locks = MemberLocks(keys.member_class, self.member_objid, keys.shard_class)
+        self.locks = keys.member_locks(self.backend_pid)
         self.shards: dict[int, ShardLease] = {}
         self.claiming = asyncio.Lock()  # a tick's claim, until its runs are started
         self.view: View | None = None
@@ -218,19 +218,15 @@ class MemberLease(SessionLease):
             shard.draining = True
             self.spawn(self.hand_over(shard, "lost"), name=f"shard:{shard.shard}:lost")
 
-    def transaction(  # type: ignore[override]  # a context manager, built another way
-        self, *, only_ours: bool = False
-    ) -> AbstractAsyncContextManager[PgTx]:
+    def transaction(self, *, only_ours: bool = False) -> AbstractAsyncContextManager[PgTx]:
         return self.fenced(self.active_shards(), only_ours=only_ours)
 
     async def run_sql(self, sql: str, statement_timeout: float) -> None:
-        # A member's own (its shards' runs have theirs): fenced for all its shards.
-        async with self.fenced(self.active_shards(), only_ours=False) as tx:
-            await tx.execute(sql, statement_timeout=statement_timeout)
+        # In a transaction for all its shards (its shards' runs have their own), not
+        # SessionLease's, fenced by the loop's row.
+        await LeaseState.run_sql(self, sql, statement_timeout)
 
-    def statements(  # type: ignore[override]  # a context manager, built another way
-        self,
-    ) -> AbstractAsyncContextManager[PgTx]:
+    def statements(self) -> AbstractAsyncContextManager[PgTx]:
         # No statement of a member fences itself: a transaction does, for its shards.
         return self.fenced(self.active_shards(), only_ours=True)
 
@@ -248,16 +244,10 @@ class MemberLease(SessionLease):
         ``require_all``: then the transaction is refused). Its PgTx carries their scope,
         which the plugin loop's statements keep to. Several run at once; none on the lock
         connection, which only holds and proves the locks."""
-        self._closed_already()
-        if self.lost.is_set():
-            raise LeadershipLost(self.reason or "lost")
         check = ShardCheck(self.fence.loop, self, tuple(shards), require_all)
-        try:
-            async with self.fence.transaction(only_ours=only_ours, check=check, lazy=lazy) as tx:
-                yield tx
-        except BaseException:
-            self._closed_already()
-            raise
+        opened = self.fence.transaction(only_ours=only_ours, check=check, lazy=lazy)
+        async with self._while_held(opened) as tx:
+            yield tx
 
     def fenced_together(self, leases: Collection[Lease]) -> AbstractAsyncContextManager[PgTx]:
         # By identity: a shard handed over is no longer among ours, nor fenced for.

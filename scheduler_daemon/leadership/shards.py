@@ -50,7 +50,7 @@ import asyncpg
 
 from ..aio import wait_any
 from ..db.connect import is_database_error
-from ..db.lock_store import MemberLocks, PgLockStore
+from ..db.lock_store import PgLockStore
 from ..db.postgres import ask_between_statements, detect_dead_peer
 from ..errors import describe
 from .assignment import Member
@@ -195,10 +195,8 @@ class ShardedSessionGuard(SessionGuard):
         or draw only after another shard's owner ran the schedules that moved). Moved
         on, which waits for those still open."""
         await locks.supersede(self.loop, [fencing_row(self.loop, self.key)])
-        mine = MemberLocks(
-            self.keys.member_class, self.keys.member_objid(pid), self.keys.shard_class
-        )
-        if list((await locks.member_state(pid, mine)).members) == [pid]:
+        state = await locks.member_state(pid, self.keys.member_locks(pid))
+        if list(state.members) == [pid]:
             await locks.supersede(self.loop, None)
 
     async def _leave(self, lease: MemberLease, graceful: bool) -> None:
