@@ -653,7 +653,7 @@ def transactions(lines: Sequence[str], app_prefix: str) -> list[tuple[int, list[
 
 
 def is_tick(statements: Sequence[str]) -> bool:
-    """A plugin tick: the transaction holding the due read (plugin_due)."""
+    """A plugin tick: the statement (or transaction) holding the window's read (plugin_claim)."""
     return any("'outlook'" in s for s in statements)
 
 

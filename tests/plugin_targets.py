@@ -134,11 +134,14 @@ async def slow(ctx: TaskContext) -> None:
 
 #: (name, args) of each run of `record_args` in this process (an in-process daemon's).
 ARGS: list[tuple[str, dict[str, Any]]] = []
+SLOT_ARGS: list[tuple[str, datetime, dict[str, Any]]] = []
 
 
 async def record_args(ctx: TaskContext) -> None:
-    """Records the arguments its schedule handed it: a runtime schedule's row's ``args``."""
+    """Records the arguments its schedule handed it: a runtime schedule's row's ``args``
+    (and in ``SLOT_ARGS``, the slot they ran for)."""
     ARGS.append((ctx.name, dict(ctx.args)))
+    SLOT_ARGS.append((ctx.name, ctx.slot, dict(ctx.args)))
 
 
 def _placeholders(tx: Tx, count: int) -> str:

@@ -89,7 +89,7 @@ async def claimed(pool: asyncpg.Pool, shard: int, token: int, due: datetime) -> 
     """What a claim of the due schedule, scoped to ``shard`` under ``token``, claims."""
     async with pool.acquire() as conn, conn.transaction():
         tx = PgTx(conn, token, None, ShardScope(SHARDS, {shard: token}))
-        return [run.name for run in await PluginStore(tx).claim("test", [claim_of(due)])]
+        return [run.name for run in (await PluginStore(tx).claim("test", [claim_of(due)])).runs]
 
 
 async def owning(member: MemberLease, count: int) -> None:

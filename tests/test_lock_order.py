@@ -183,7 +183,7 @@ async def test_a_result_batch_beside_a_bulk_pause(store: Store, connect: Connect
     are written, and the pause stays."""
     slot = await schedules(store)
     async with store.transaction() as tx:
-        claimed = await PluginStore(tx).claim("r1", claims(slot))
+        claimed = (await PluginStore(tx).claim("r1", claims(slot))).runs
     assert len(claimed) == COUNT
     by_name = {run.name: run for run in claimed}
     now = slot + timedelta(seconds=1)
@@ -221,7 +221,7 @@ async def test_a_claim_beside_a_bulk_change(
     slot = await schedules(store)
 
     async def claim(plugin: PluginStore) -> list[Any]:
-        return await plugin.claim("r1", claims(slot))
+        return (await plugin.claim("r1", claims(slot))).runs
 
     claimed, status = await beside_a_bulk_change(store, connect, claim, bulk_sql(change))
 

@@ -18,7 +18,7 @@ import re
 import signal
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from itertools import pairwise
@@ -39,8 +39,10 @@ from structlog.testing import capture_logs
 
 from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.daemon import Daemon
+from scheduler_daemon.db.plugin_store import Claim, Claimed, PluginStore
 from scheduler_daemon.db.sqlfiles import positional
 from scheduler_daemon.logs import get_logger
+from scheduler_daemon.loops.plugin import PluginWork
 from scheduler_daemon.plugins.tasks import Cron
 
 TERMINAL = {"succeeded", "failed", "timed_out", "skipped_overlap", "abandoned"}
@@ -223,6 +225,40 @@ async def test_interval_task_runs_each_slot_once(database_url: str, db: Db) -> N
     bare = [c for c in recorded if c.kind == "no_context"]
     assert len(bare) == len(ran(await db.runs("bare")))
     assert all(c.name is None for c in bare)  # called without the context
+
+
+async def test_a_steady_tick_is_one_statement(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Session mode: each tick plans its claim from what the last tick's statement read
+    (the window), so once the leader has taken over, a tick that claims a slot sends one
+    statement, which also reads the next window; and no tick runs for nothing in between
+    (a run's end, its result written: nothing waits for them)."""
+    ticks: list[list[tuple[int, int]]] = []  # per tick: (claims sent, runs claimed)
+    tick, claim = PluginWork.tick, PluginStore.claim
+
+    async def counted_tick(self: PluginWork, *args: Any) -> float | None:
+        ticks.append([])
+        return await tick(self, *args)
+
+    async def counted_claim(
+        self: PluginStore, instance: str, claims: Sequence[Claim], **window: Any
+    ) -> Claimed:
+        result = await claim(self, instance, claims, **window)
+        ticks[-1].append((len(claims), len(result.runs)))
+        return result
+
+    monkeypatch.setattr(PluginWork, "tick", counted_tick)
+    monkeypatch.setattr(PluginStore, "claim", counted_claim)
+    async with running(pg_url, [task("steady", every="200ms", target="plugin_targets:tick")]):
+        await at_least(Db(pg_url), "steady", "succeeded", 12)
+    first = next(i for i, statements in enumerate(ticks) if any(runs for _, runs in statements))
+    steady = ticks[first + 1 :]
+    claiming = [statements for statements in steady if any(runs for _, runs in statements)]
+    assert len(claiming) >= 10, ticks
+    assert all(len(statements) == 1 for statements in claiming), ticks
+    # A tick for nothing is one that claimed nothing: the take-over's notification
+    # arriving after the first claim is one; a claim sent a hair before its slot by the
+    # database's clock (and sent again), another.
+    assert len(steady) - len(claiming) <= 3, ticks
 
 
 async def test_cron_task_is_registered_with_its_next_slot(database_url: str, db: Db) -> None:

@@ -55,9 +55,11 @@ pytestmark = pytest.mark.usefixtures("clean_env")  # conftest.py
 def calls() -> Iterator[None]:
     plugin_targets.CALLS.clear()
     plugin_targets.ARGS.clear()
+    plugin_targets.SLOT_ARGS.clear()
     yield
     plugin_targets.CALLS.clear()
     plugin_targets.ARGS.clear()
+    plugin_targets.SLOT_ARGS.clear()
 
 
 # -- the database, from the test's side (plain SQL, `$1` parameters on both) -----------
@@ -244,6 +246,46 @@ async def test_an_added_schedule_runs_with_its_args(database_url: str) -> None:
         declared_row = await client.get_schedule("declared")
         assert declared_row is not None
         assert (declared_row.source, declared_row.target) == ("config", None)
+
+
+async def test_a_change_reaches_every_slot_claimed_after_it(database_url: str) -> None:
+    """The leader plans a tick's claim from what its last statement read, up to a slot
+    ahead (loops/plugin.py), so a schedule can change between that read and the claim. The
+    claim compares the row's definition too: every slot that fell due after a change of
+    ``args`` (made by plain SQL, as an application would) ran with the new ones."""
+    async with (
+        running(database_url, runnable=[RECORD_ARGS]),
+        client_for(database_url) as client,
+    ):
+        await client.add_schedule("changing", every="200ms", target=RECORD_ARGS, args={"v": 1})
+
+        def runs_with(version: int, after: datetime | None = None) -> int:
+            return sum(
+                1
+                for name, slot, args in plugin_targets.SLOT_ARGS
+                if name == "changing" and args == {"v": version}
+                and (after is None or slot > after)
+            )  # fmt: skip
+
+        async def ran_v1() -> bool:
+            return runs_with(1) >= 2
+
+        await until(ran_v1, "two runs with the first args")
+        await Db(database_url).fetch(
+            "UPDATE scheduler_plugin_tasks SET args = '{\"v\": 2}' WHERE name = 'changing'"
+        )
+        changed = datetime.now(UTC)  # the database's clock is this machine's
+
+        async def ran_v2() -> bool:
+            return runs_with(2, after=changed) >= 3
+
+        await until(ran_v2, "three runs with the new args")
+    late = [
+        (slot, args)
+        for name, slot, args in plugin_targets.SLOT_ARGS
+        if name == "changing" and slot > changed and args != {"v": 2}
+    ]
+    assert late == [], "a slot due after the change ran with what the schedule said before"
 
 
 async def test_an_unknown_target_is_refused_at_insert(database_url: str) -> None:

@@ -25,7 +25,13 @@ from scheduler_daemon.client import Client
 from scheduler_daemon.config.settings import Settings
 from scheduler_daemon.db.base import Store
 from scheduler_daemon.db.lock_store import PgLockStore, Predecessor, SqliteLockStore
-from scheduler_daemon.db.plugin_store import Claim, Declaration, PluginStore, RunResult
+from scheduler_daemon.db.plugin_store import (
+    Claim,
+    Declaration,
+    DueSchedule,
+    PluginStore,
+    RunResult,
+)
 from scheduler_daemon.db.postgres import PostgresStore
 from scheduler_daemon.db.publications import PublishStore
 from scheduler_daemon.db.schedules import ScheduleStore
@@ -90,7 +96,7 @@ async def rows(store: Store, sql: str, *args: Any) -> list[dict[str, Any]]:
 def test_both_backends_define_the_plugin_queries() -> None:
     plugin = {name for name in queries("postgres") if name.startswith("plugin_")}
     assert plugin == {name for name in queries("sqlite") if name.startswith("plugin_")}
-    assert {"plugin_due", "plugin_claim", "plugin_finish", "plugin_trim"} <= plugin
+    assert {"plugin_claim", "plugin_finish", "plugin_trim"} <= plugin
     assert "runs_maintain" in queries("postgres")
     assert "runs_maintain" in queries("sqlite")
 
@@ -104,7 +110,7 @@ async def test_due_is_oldest_first_and_limited(store: Store) -> None:
     async with store.transaction() as tx:
         batch = await PluginStore(tx).due(limit=3)
     assert [s.name for s in batch.due] == ["t0", "t1", "t2"]
-    assert batch.oldest_due == batch.due[0].next_run_at
+    assert batch.oldest_due(batch.now) == batch.due[0].next_run_at
     assert batch.next_slot == now + timedelta(hours=1)
     assert all(s.runtime is None for s in batch.due)
 
@@ -130,13 +136,15 @@ async def test_a_claim_that_starts_a_run_compares_the_trigger_it_saw(store: Stor
     await add(store, "t", slot, trigger_requested_at=now)
     await add(store, "s", slot, trigger_requested_at=now)
     async with store.transaction() as tx:
-        claimed = await PluginStore(tx).claim(
-            "r1",
-            [
-                Claim("t", seen_next=slot, next_run_at=nxt, run_slot=slot),
-                Claim("s", seen_next=slot, next_run_at=nxt, skip_slot=slot),
-            ],
-        )
+        claimed = (
+            await PluginStore(tx).claim(
+                "r1",
+                [
+                    Claim("t", seen_next=slot, next_run_at=nxt, run_slot=slot),
+                    Claim("s", seen_next=slot, next_run_at=nxt, skip_slot=slot),
+                ],
+            )
+        ).runs
     assert [(c.name, c.status) for c in claimed] == [("s", "skipped_overlap")]
     tasks = await rows(
         store,
@@ -148,9 +156,11 @@ async def test_a_claim_that_starts_a_run_compares_the_trigger_it_saw(store: Stor
         {"name": "t", "next_run_at": slot, "trigger_requested_at": now},
     ]
     async with store.transaction() as tx:  # read again: the trigger seen, and consumed
-        claimed = await PluginStore(tx).claim(
-            "r1", [Claim("t", seen_next=slot, next_run_at=nxt, seen_trigger=now, run_slot=slot)]
-        )
+        claimed = (
+            await PluginStore(tx).claim(
+                "r1", [Claim("t", seen_next=slot, next_run_at=nxt, seen_trigger=now, run_slot=slot)]
+            )
+        ).runs
     assert [(c.name, c.status) for c in claimed] == [("t", "running")]
 
 
@@ -161,22 +171,27 @@ async def test_claim_is_compare_and_set_and_one_running_run_per_schedule(store: 
     await add(store, "b", slot)
     nxt = slot + timedelta(seconds=10)
     async with store.transaction() as tx:
-        claimed = await PluginStore(tx).claim(
-            "r1",
-            [
-                Claim("a", seen_next=slot, next_run_at=nxt, run_slot=slot),
-                # Read before someone moved it: the claim does nothing for it.
-                Claim("b", seen_next=slot - timedelta(hours=1), next_run_at=nxt, run_slot=slot),
-            ],
-        )
+        claimed = (
+            await PluginStore(tx).claim(
+                "r1",
+                [
+                    Claim("a", seen_next=slot, next_run_at=nxt, run_slot=slot),
+                    # Read before someone moved it: the claim does nothing for it.
+                    Claim("b", seen_next=slot - timedelta(hours=1), next_run_at=nxt, run_slot=slot),
+                ],
+            )
+        ).runs
     assert [(c.name, c.status) for c in claimed] == [("a", "running")]
     # The same schedule again, a new slot, while its first run is still running: the
     # database refuses the second running run (graphile-worker #621), and two claims of
     # one schedule in one batch take one run at most.
     async with store.transaction() as tx:
-        again = await PluginStore(tx).claim(
-            "r1", [Claim("a", seen_next=nxt, next_run_at=nxt + timedelta(seconds=10), run_slot=nxt)]
-        )
+        again = (
+            await PluginStore(tx).claim(
+                "r1",
+                [Claim("a", seen_next=nxt, next_run_at=nxt + timedelta(seconds=10), run_slot=nxt)],
+            )
+        ).runs
     assert again == []
     running = await rows(store, "SELECT name FROM scheduler_plugin_runs WHERE status = 'running'")
     assert running == [{"name": "a"}]
@@ -186,28 +201,123 @@ async def test_claim_is_compare_and_set_and_one_running_run_per_schedule(store: 
         store, "SELECT next_run_at, run_count FROM scheduler_plugin_tasks WHERE name = 'a'"
     )
     assert task == {"next_run_at": nxt, "run_count": 1}
-    # The slot itself can never be taken twice.
+    # The slot itself can never be taken twice, even moved back to it by hand.
     async with store.transaction() as tx:
         await PluginStore(tx).finish(
             [RunResult(claimed[0].id, "a", claimed[0].slot, "succeeded", None, now)],
             max_failures=5,
             trim_every=100,
         )
-    async with store.transaction() as tx:
-        twice = await PluginStore(tx).claim(
-            "r2",
-            [Claim("a", seen_next=nxt + timedelta(seconds=10), next_run_at=nxt, run_slot=slot)],
+        await tx.run(
+            _sql(store, "UPDATE scheduler_plugin_tasks SET next_run_at = $1 WHERE name = 'a'"), slot
         )
+    async with store.transaction() as tx:
+        twice = (
+            await PluginStore(tx).claim(
+                "r2", [Claim("a", seen_next=slot, next_run_at=nxt, run_slot=slot)]
+            )
+        ).runs
     assert twice == []
+    assert await rows(store, "SELECT count(*) AS n FROM scheduler_plugin_runs") == [{"n": 1}]
+
+
+async def test_a_claim_never_advances_a_schedule_before_its_slot(store: Store) -> None:
+    """A tick plans from the window an earlier statement read, on its own estimate of the
+    database's clock: a claim of a slot not due yet by the database's clock does nothing,
+    and the window read with it still holds the schedule, for the next tick."""
+    now = await now_of(store)
+    soon = now + timedelta(seconds=30)
+    await add(store, "early", soon)
+    async with store.transaction() as tx:
+        result = await PluginStore(tx).claim(
+            "r1", [Claim("early", soon, soon + timedelta(seconds=10), run_slot=soon)], ahead=1
+        )
+    assert result.runs == []
+    assert [(d.name, d.next_run_at) for d in result.window.due] == [("early", soon)]
+    assert await rows(store, "SELECT count(*) AS n FROM scheduler_plugin_runs") == [{"n": 0}]
+
+
+async def test_the_window_holds_the_next_ticks_work_and_what_the_claim_changed(
+    store: Store,
+) -> None:
+    """The window read with a claim: what is due, then what falls due within ``ahead`` of
+    the next slot to come (not beyond), and each schedule the claim advanced as it is
+    after the claim (a tick plans its next claim from it, in one round trip)."""
+    now = await now_of(store)
+    slot = now - timedelta(seconds=5)
+    await add(store, "claimed", slot)
+    await add(store, "waiting", slot - timedelta(seconds=1))  # due, not claimed
+    await add(store, "next", now + timedelta(seconds=20))
+    await add(store, "with-next", now + timedelta(seconds=21))
+    await add(store, "beyond", now + timedelta(seconds=40))
+    nxt = now + timedelta(hours=1)
+    async with store.transaction() as tx:
+        result = await PluginStore(tx).claim(
+            "r1", [Claim("claimed", slot, nxt, run_slot=slot)], limit=10, ahead=5
+        )
+    assert [(r.name, r.status) for r in result.runs] == [("claimed", "running")]
+    window = result.window
+    assert [(d.name, d.next_run_at) for d in window.due] == [
+        ("waiting", slot - timedelta(seconds=1)),
+        ("next", now + timedelta(seconds=20)),
+        ("with-next", now + timedelta(seconds=21)),
+        ("claimed", nxt),
+    ]
+    assert not window.full
+    assert window.oldest_due(window.now) == slot - timedelta(seconds=1)
+    # As many due as the limit: more may be due than the window holds.
+    async with store.transaction() as tx:
+        assert (await PluginStore(tx).due(limit=1)).full
+
+
+async def test_a_claim_compares_the_definition_it_saw(store: Store) -> None:
+    """A runtime schedule changed after the window was read (its args): the claim does
+    nothing for it, and the window read with that claim carries the new definition. A
+    schedule read long before its slot never runs what it no longer says."""
+    async with store.transaction() as tx:
+        await PluginStore(tx).publish_runnable(["pkg.mod:ok"])
+        await tx.run(
+            _sql(
+                store,
+                "INSERT INTO scheduler_plugin_tasks (name, target, every_seconds, args) "
+                "VALUES ('r', 'pkg.mod:ok', 5, $1)",
+            ),
+            as_json(store, {"n": 1}),
+        )
+    async with store.transaction() as tx:
+        [seen] = (await PluginStore(tx).due(limit=10)).due
+    async with store.transaction() as tx:
+        await tx.run(
+            _sql(store, "UPDATE scheduler_plugin_tasks SET args = $1 WHERE name = 'r'"),
+            as_json(store, {"n": 2}),
+        )
+
+    def claim_of(due: DueSchedule) -> Claim:
+        later = due.next_run_at + timedelta(seconds=5)
+        return Claim("r", due.next_run_at, later, run_slot=due.next_run_at,
+                     seen_definition=due.definition)  # fmt: skip
+
+    async with store.transaction() as tx:
+        stale = await PluginStore(tx).claim("r1", [claim_of(seen)])
+    assert stale.runs == []
+    [fresh] = stale.window.due
+    assert fresh.definition != seen.definition
+    assert fresh.runtime is not None
+    assert json.loads(fresh.runtime.args_json) == {"n": 2}
+    async with store.transaction() as tx:
+        claimed = await PluginStore(tx).claim("r1", [claim_of(fresh)])
+    assert [r.name for r in claimed.runs] == ["r"]
 
 
 async def test_a_schedule_paused_after_the_read_is_not_claimed(store: Store) -> None:
     now = await now_of(store)
     await add(store, "p", now, paused=True)  # paused between the tick's read and its claim
     async with store.transaction() as tx:
-        claimed = await PluginStore(tx).claim(
-            "r1", [Claim("p", now, now + timedelta(seconds=10), run_slot=now)]
-        )
+        claimed = (
+            await PluginStore(tx).claim(
+                "r1", [Claim("p", now, now + timedelta(seconds=10), run_slot=now)]
+            )
+        ).runs
     assert claimed == []
 
 
@@ -217,19 +327,21 @@ async def test_trigger_and_skip_slots(store: Store) -> None:
     trigger = now - timedelta(seconds=1)
     await add(store, "a", slot, trigger_requested_at=trigger)
     async with store.transaction() as tx:
-        claimed = await PluginStore(tx).claim(
-            "r1",
-            [
-                Claim(
-                    "a",
-                    slot,
-                    slot + timedelta(seconds=10),
-                    seen_trigger=trigger,
-                    run_slot=slot,
-                    skip_slot=trigger,
-                )
-            ],
-        )
+        claimed = (
+            await PluginStore(tx).claim(
+                "r1",
+                [
+                    Claim(
+                        "a",
+                        slot,
+                        slot + timedelta(seconds=10),
+                        seen_trigger=trigger,
+                        run_slot=slot,
+                        skip_slot=trigger,
+                    )
+                ],
+            )
+        ).runs
     assert sorted((c.status, c.slot) for c in claimed) == [
         ("running", slot),
         ("skipped_overlap", trigger),
@@ -249,9 +361,11 @@ async def test_finish_counts_failures_pauses_and_trims(store: Store) -> None:
     for i, slot in enumerate(slots):
         async with store.transaction() as tx:
             plugin = PluginStore(tx)
-            [run] = await plugin.claim(
-                "r1", [Claim("f", slot, slots[i + 1] if i < 4 else now, run_slot=slot)]
-            )
+            [run] = (
+                await plugin.claim(
+                    "r1", [Claim("f", slot, slots[i + 1] if i < 4 else now, run_slot=slot)]
+                )
+            ).runs
             finished = await plugin.finish(
                 [RunResult(run.id, "f", slot, "failed", "boom\x00" if i == 0 else "boom", now)],
                 max_failures=3,
@@ -279,9 +393,11 @@ async def test_abandon_keeps_the_callers_own_runs(store: Store) -> None:
     await add(store, "x", now)
     await add(store, "y", now)
     async with store.transaction() as tx:
-        claimed = await PluginStore(tx).claim(
-            "r1", [Claim(n, now, now + timedelta(seconds=10), run_slot=now) for n in ("x", "y")]
-        )
+        claimed = (
+            await PluginStore(tx).claim(
+                "r1", [Claim(n, now, now + timedelta(seconds=10), run_slot=now) for n in ("x", "y")]
+            )
+        ).runs
     mine = [c.id for c in claimed if c.name == "x"]
     async with store.transaction() as tx:
         abandoned = await PluginStore(tx).abandon("gone", mine)
@@ -426,7 +542,7 @@ async def test_a_sharded_scope_keeps_to_its_shards_while_their_tokens_are_curren
                 Claim(d.name, d.next_run_at, now + timedelta(hours=1), run_slot=d.next_run_at)
                 for d in due.due
             ]
-            claimed = await scoped({0: 10, 1: 20}).claim("me", claims)
+            claimed = (await scoped({0: 10, 1: 20}).claim("me", claims)).runs
             assert claimed, "shard 0 claims"
             assert {c.name for c in claimed} == {n for n, s in shard_of.items() if s == 0}
             results = [RunResult(c.id, c.name, c.slot, "succeeded", None, now) for c in claimed]

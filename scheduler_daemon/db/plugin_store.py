@@ -46,17 +46,26 @@ class DueSchedule:
     trigger_requested_at: datetime | None
     runtime: RuntimeDefinition | None  # None: a declared task (config, plugin, built-in)
     shard: int | None = None  # sharded: the shard it belongs to
+    definition: str | None = None  # what a claim compares: the row's runtime definition
+
+    def due_at(self) -> datetime:
+        """When it is due: its slot, or a trigger's time if sooner."""
+        trigger = self.trigger_requested_at
+        return self.next_run_at if trigger is None else min(self.next_run_at, trigger)
 
 
 @dataclass(frozen=True, slots=True)
 class DueBatch:
-    now: datetime  # the database's clock, as of this transaction
-    due: list[DueSchedule]  # oldest slot first
-    next_slot: datetime | None  # the earliest slot not due yet (active, not paused)
+    """A window on the schedules, as of one statement: what is due, oldest first, then
+    what falls due soon after (the next tick's work, claimed from here in one round trip)."""
 
-    @property
-    def oldest_due(self) -> datetime | None:
-        slots = [s.next_run_at for s in self.due if s.next_run_at <= self.now]
+    now: datetime  # the database's clock, as of that statement
+    due: list[DueSchedule]  # by due_at, then name; some not due yet
+    next_slot: datetime | None  # the earliest slot not due yet (active, not paused)
+    full: bool = False  # as many due as the read's limit: more may be due than it holds
+
+    def oldest_due(self, now: datetime) -> datetime | None:
+        slots = [s.next_run_at for s in self.due if s.next_run_at <= now]
         return min(slots, default=None)
 
 
@@ -69,6 +78,7 @@ class Claim:
     seen_next: datetime
     next_run_at: datetime
     seen_trigger: datetime | None = None  # consumed if still the one read
+    seen_definition: str | None = None  # compared too, if given (DueSchedule.definition)
     run_slot: datetime | None = None  # inserted as `running`
     skip_slot: datetime | None = None  # inserted as `skipped_overlap`
 
@@ -79,6 +89,12 @@ class ClaimedRun:
     name: str
     slot: datetime
     status: str  # running | skipped_overlap
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    runs: list[ClaimedRun]  # what the claim inserted
+    window: DueBatch  # read after it: what the next tick plans from
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +151,44 @@ def _storable(text: str | None) -> str | None:
     return text.replace("\x00", "\\0").encode("utf-8", "replace").decode("utf-8")
 
 
+def _window(rows: list[dict[str, Any]], limit: int) -> DueBatch:
+    due: list[DueSchedule] = []
+    now: datetime | None = None
+    next_slot: datetime | None = None
+    for row in rows:
+        if row["kind"] == "outlook":
+            now, next_slot = row["now"], row["next_run_at"]
+        elif row["kind"] == "due":
+            due.append(_due_schedule(row))
+    assert now is not None  # the outlook row is always there
+    due.sort(key=lambda s: (s.due_at(), s.name))
+    full = sum(1 for s in due if s.due_at() <= now) >= limit
+    return DueBatch(now=now, due=due, next_slot=next_slot, full=full)
+
+
+def _due_schedule(row: dict[str, Any]) -> DueSchedule:
+    runtime = None
+    if row["target"] is not None:
+        runtime = RuntimeDefinition(
+            target=row["target"],
+            args_json=row["args"],
+            every_seconds=row["every_seconds"],
+            cron=row["cron"],
+            timezone=row["timezone"],
+            timeout=row["timeout_seconds"],
+            misfire=row["misfire"],
+            jitter=row["jitter_seconds"],
+        )
+    return DueSchedule(
+        row["name"],
+        row["next_run_at"],
+        row["trigger_requested_at"],
+        runtime,
+        row.get("shard"),
+        row["definition"],
+    )
+
+
 def _json(items: Iterable[dict[str, Any]]) -> str:
     def encode(value: Any) -> Any:
         return to_db_time(value) if isinstance(value, datetime) else value
@@ -179,45 +233,21 @@ class PluginStore:
         rows = await self.tx.query("plugin_abandon", reason=reason, keep=list(keep), **self._scope)
         return [AbandonedRun(row["name"], row["slot"], row["instance"]) for row in rows]
 
-    async def due(self, limit: int) -> DueBatch:
-        rows = await self.tx.query("plugin_due", limit=limit, **self._scope)
-        due: list[DueSchedule] = []
-        now: datetime | None = None
-        next_slot: datetime | None = None
-        for row in rows:
-            now = row["now"]
-            if row["kind"] == "outlook":
-                next_slot = row["next_run_at"]
-                continue
-            runtime = None
-            if row["target"] is not None:
-                runtime = RuntimeDefinition(
-                    target=row["target"],
-                    args_json=row["args"],
-                    every_seconds=row["every_seconds"],
-                    cron=row["cron"],
-                    timezone=row["timezone"],
-                    timeout=row["timeout_seconds"],
-                    misfire=row["misfire"],
-                    jitter=row["jitter_seconds"],
-                )
-            due.append(
-                DueSchedule(
-                    row["name"],
-                    row["next_run_at"],
-                    row["trigger_requested_at"],
-                    runtime,
-                    row.get("shard"),
-                )
-            )
-        assert now is not None  # the outlook row is always there
-        return DueBatch(now=now, due=due, next_slot=next_slot)
+    async def due(self, limit: int, ahead: float = 0.0) -> DueBatch:
+        """The window alone: a claim of nothing."""
+        return (await self.claim("", [], limit=limit, ahead=ahead)).window
 
-    async def claim(self, instance: str, claims: Sequence[Claim]) -> list[ClaimedRun]:
+    async def claim(
+        self, instance: str, claims: Sequence[Claim], *, limit: int = 100, ahead: float = 0.0
+    ) -> Claimed:
+        """Claim ``claims`` and read the window after them (``plugin_claim``), in one
+        statement on PostgreSQL: at most ``limit`` rows read (past the claimed ones), up
+        to ``ahead`` seconds past the next slot to come."""
         payload = _json(
             {
                 "name": c.name,
                 "seen_next": c.seen_next,
+                "seen_definition": c.seen_definition,
                 "next": c.next_run_at,
                 "seen_trigger": c.seen_trigger,
                 "run_slot": c.run_slot,
@@ -225,8 +255,16 @@ class PluginStore:
             }
             for c in claims
         )
-        rows = await self.tx.query("plugin_claim", claims=payload, instance=instance, **self._scope)
-        return [ClaimedRun(row["id"], row["name"], row["slot"], row["status"]) for row in rows]
+        rows = await self.tx.query(
+            "plugin_claim", claims=payload, instance=instance, limit=limit, ahead=ahead,
+            **self._scope,
+        )  # fmt: skip
+        runs = [
+            ClaimedRun(row["id"], row["name"], row["slot"], row["status"])
+            for row in rows
+            if row["kind"] == "run"
+        ]
+        return Claimed(runs, _window(rows, limit))
 
     async def refuse(self, refused: dict[str, str]) -> None:
         """Pause runtime schedules this leader cannot run, each with its reason."""

@@ -819,50 +819,26 @@ WHERE status = 'running' AND NOT (id = ANY(:keep::bigint[]))
        OR scheduler_shard_hash(name) % :k IN (SELECT shard FROM current_shards))
 RETURNING name, slot, instance
 
--- name: plugin_due
--- One read per tick, O(due): what is due (its slot passed, or a trigger waits), oldest
--- first, so that however far behind the leader is no schedule starves; at most :limit
--- rows. Always one
--- row more: the outlook, with the database's now and the next slot to come, from the same
--- index (kind 'outlook').
-WITH owned AS (
-    SELECT o.shard FROM jsonb_to_recordset(:owned::text::jsonb) AS o(shard int, token bigint)
-),
-due AS (
-    (SELECT name FROM scheduler_plugin_tasks
-     WHERE active AND NOT paused AND next_run_at <= now()
-       AND (:owned::text IS NULL OR shard_hash % :k IN (SELECT shard FROM owned))
-     ORDER BY next_run_at LIMIT :limit)
-    UNION
-    (SELECT name FROM scheduler_plugin_tasks
-     WHERE active AND NOT paused AND trigger_requested_at IS NOT NULL
-       AND (:owned::text IS NULL OR shard_hash % :k IN (SELECT shard FROM owned))
-     ORDER BY trigger_requested_at LIMIT :limit)
-)
-(SELECT 'due' AS kind, now() AS now, t.name, t.next_run_at, t.trigger_requested_at,
-        t.target, t.args::text AS args, t.every_seconds, t.cron, t.timezone,
-        t.timeout_seconds, t.misfire, t.jitter_seconds,
-        CASE WHEN :owned::text IS NULL THEN NULL ELSE t.shard_hash % :k END AS shard
- FROM due JOIN scheduler_plugin_tasks t USING (name)
- ORDER BY least(t.next_run_at, t.trigger_requested_at), t.name
- LIMIT :limit)
-UNION ALL
-SELECT 'outlook', now(), NULL,
-       (SELECT next_run_at FROM scheduler_plugin_tasks
-        WHERE active AND NOT paused AND next_run_at > now()
-          AND (:owned::text IS NULL OR shard_hash % :k IN (SELECT shard FROM owned))
-        ORDER BY next_run_at LIMIT 1),
-       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-
 -- name: plugin_claim
--- The whole batch in one statement: advance each schedule's next_run_at by compare-and-set
--- on the value the tick read (a change made meanwhile wins: look again next tick), consume
--- the trigger it saw, and insert its (name, slot) runs. The unique (name, slot) is the
+-- A tick's one statement: claim what the tick planned (perhaps nothing), and read what the
+-- next tick plans from (the window). The claim first, the whole batch at once: advance
+-- each schedule's next_run_at by compare-and-set on what was read (its slot, its
+-- definition: a change made meanwhile wins, and is read again below), consume the
+-- trigger it saw, and insert its (name, slot) runs. The unique (name, slot) is the
 -- guarantee that a slot runs once, whatever the leaders think. One run in flight per
 -- schedule: the claim finds none running, and compares-and-sets the schedule's row on
 -- next_run_at and, if it starts a run, on the trigger it saw, so that of two claims of one
 -- schedule the second waits on the row and then finds it changed (a claim that starts a
--- run moves next_run_at or consumes the trigger).
+-- run moves next_run_at or consumes the trigger). A tick may plan from a window read by an
+-- earlier statement, on its own estimate of the database's clock, so a claim never
+-- advances a schedule before its slot by this clock (it is read again instead).
+--
+-- The window, O(due), never O(schedules): what is due (its slot passed, or a trigger
+-- waits), oldest first, so that however far behind the leader is no schedule starves,
+-- then what falls due within :ahead seconds of the next slot to come (the next tick's
+-- work, which it then claims in one round trip); at most :limit rows read, plus the
+-- schedules this statement advanced, as they are now (the rest of the statement sees the
+-- rows as they were). 'outlook': the database's now and the next slot to come.
 WITH fence AS MATERIALIZED (  -- Self-fenced (above)
     SELECT CASE WHEN :fence_loop::text IS NULL THEN true
                 ELSE scheduler_fence(:fence_loop::text, :fence_token::bigint,
@@ -870,8 +846,11 @@ WITH fence AS MATERIALIZED (  -- Self-fenced (above)
 ),
 claim AS (
     SELECT * FROM jsonb_to_recordset(:claims::text::jsonb)
-        AS c(name text, seen_next timestamptz, next timestamptz, seen_trigger timestamptz,
-             run_slot timestamptz, skip_slot timestamptz)
+        AS c(name text, seen_next timestamptz, seen_definition text, next timestamptz,
+             seen_trigger timestamptz, run_slot timestamptz, skip_slot timestamptz)
+),
+owned AS (
+    SELECT o.shard FROM jsonb_to_recordset(:owned::text::jsonb) AS o(shard int, token bigint)
 ),
 current_shards AS (  -- the shards whose token is still the caller's
     SELECT o.shard FROM jsonb_to_recordset(:owned::text::jsonb) AS o(shard int, token bigint)
@@ -901,26 +880,75 @@ advanced AS (
         updated_at = now()
     FROM locked c
     WHERE t.name = c.name AND t.next_run_at = c.seen_next AND t.active AND NOT t.paused
+      AND (c.seen_definition IS NULL OR c.seen_definition = md5(json_build_array(
+          t.target, t.args, t.every_seconds, t.cron, t.timezone, t.timeout_seconds,
+          t.misfire, t.jitter_seconds)::text))
+      AND (c.next = c.seen_next OR c.seen_next <= now())
       -- A claim that starts a run saw the trigger it consumes (or none): still the same.
       AND (c.run_slot IS NULL OR t.trigger_requested_at IS NOT DISTINCT FROM c.seen_trigger)
       AND (:owned::text IS NULL OR t.shard_hash % :k IN (SELECT shard FROM current_shards))
       -- Never past a run still `running`: the schedule stays due until that run is closed.
       AND (c.run_slot IS NULL OR NOT EXISTS (
           SELECT 1 FROM scheduler_plugin_runs r WHERE r.name = t.name AND r.status = 'running'))
-    RETURNING t.name
+    RETURNING t.*
 ),
-slots AS (
-    SELECT c.name, c.run_slot AS slot, 'running' AS status
-    FROM claim c JOIN advanced USING (name) WHERE c.run_slot IS NOT NULL
+inserted AS (
+    INSERT INTO scheduler_plugin_runs (name, slot, instance, status, finished_at)
+    SELECT name, slot, :instance::text, status,
+           CASE WHEN status = 'running' THEN NULL ELSE now() END
+    FROM (SELECT c.name, c.run_slot AS slot, 'running' AS status
+          FROM claim c JOIN advanced USING (name) WHERE c.run_slot IS NOT NULL
+          UNION ALL
+          SELECT c.name, c.skip_slot, 'skipped_overlap'
+          FROM claim c JOIN advanced USING (name) WHERE c.skip_slot IS NOT NULL) AS slots
+    ON CONFLICT DO NOTHING
+    RETURNING id, name, slot, status
+),
+outlook AS (
+    SELECT min(next_run_at) AS slot FROM (
+        SELECT next_run_at FROM scheduler_plugin_tasks
+        WHERE active AND NOT paused AND next_run_at > now()
+          AND (:owned::text IS NULL OR shard_hash % :k IN (SELECT shard FROM owned))
+          AND name NOT IN (SELECT name FROM advanced)
+        ORDER BY next_run_at LIMIT 1) AS first
+),
+seen AS (
+    (SELECT name FROM scheduler_plugin_tasks
+     WHERE active AND NOT paused
+       AND next_run_at <= greatest(now(), (SELECT slot FROM outlook))
+                          + make_interval(secs => :ahead::float8)
+       AND (:owned::text IS NULL OR shard_hash % :k IN (SELECT shard FROM owned))
+       AND name NOT IN (SELECT name FROM advanced)
+     ORDER BY next_run_at LIMIT :limit)
+    UNION
+    (SELECT name FROM scheduler_plugin_tasks
+     WHERE active AND NOT paused AND trigger_requested_at IS NOT NULL
+       AND (:owned::text IS NULL OR shard_hash % :k IN (SELECT shard FROM owned))
+       AND name NOT IN (SELECT name FROM advanced)
+     ORDER BY trigger_requested_at LIMIT :limit)
+),
+window_rows AS (
+    (SELECT t.* FROM seen JOIN scheduler_plugin_tasks t USING (name)
+     ORDER BY least(t.next_run_at, t.trigger_requested_at), t.name
+     LIMIT :limit)
     UNION ALL
-    SELECT c.name, c.skip_slot, 'skipped_overlap'
-    FROM claim c JOIN advanced USING (name) WHERE c.skip_slot IS NOT NULL
+    SELECT * FROM advanced WHERE active AND NOT paused
 )
-INSERT INTO scheduler_plugin_runs (name, slot, instance, status, finished_at)
-SELECT name, slot, :instance::text, status, CASE WHEN status = 'running' THEN NULL ELSE now() END
-FROM slots
-ON CONFLICT DO NOTHING
-RETURNING id, name, slot, status
+SELECT 'due' AS kind, now() AS now, NULL::bigint AS id, w.name, NULL::timestamptz AS slot,
+       NULL::text AS status, w.next_run_at, w.trigger_requested_at,
+       md5(json_build_array(w.target, w.args, w.every_seconds, w.cron, w.timezone,
+                            w.timeout_seconds, w.misfire, w.jitter_seconds)::text) AS definition,
+       w.target, w.args::text AS args, w.every_seconds, w.cron, w.timezone,
+       w.timeout_seconds, w.misfire, w.jitter_seconds,
+       CASE WHEN :owned::text IS NULL THEN NULL ELSE w.shard_hash % :k END AS shard
+FROM window_rows w
+UNION ALL
+SELECT 'run', now(), i.id, i.name, i.slot, i.status, NULL, NULL, NULL, NULL, NULL, NULL,
+       NULL, NULL, NULL, NULL, NULL, NULL
+FROM inserted i
+UNION ALL
+SELECT 'outlook', now(), NULL, NULL, NULL, NULL, (SELECT slot FROM outlook), NULL, NULL,
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: plugin_refuse
 -- Runtime schedules this leader cannot run (a target it does not declare runnable, a

@@ -193,35 +193,8 @@ SET status = 'abandoned', finished_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), e
 WHERE status = 'running' AND id NOT IN (SELECT value FROM json_each(:keep))
 RETURNING name, slot, instance
 
--- name: plugin_due
-WITH due AS (
-    SELECT name FROM (
-        SELECT name FROM scheduler_plugin_tasks
-        WHERE active AND NOT paused AND julianday(next_run_at) <= julianday('now')
-        ORDER BY julianday(next_run_at) LIMIT :limit)
-    UNION
-    SELECT name FROM (
-        SELECT name FROM scheduler_plugin_tasks
-        WHERE active AND NOT paused AND trigger_requested_at IS NOT NULL
-        ORDER BY julianday(trigger_requested_at) LIMIT :limit)
-)
-SELECT * FROM (
-    SELECT 'due' AS kind, strftime('%Y-%m-%dT%H:%M:%fZ', 'now') AS now, t.name, t.next_run_at, t.trigger_requested_at,
-           t.target, t.args, t.every_seconds, t.cron, t.timezone, t.timeout_seconds,
-           t.misfire, t.jitter_seconds
-    FROM due JOIN scheduler_plugin_tasks t USING (name)
-    ORDER BY min(julianday(t.next_run_at),
-                 coalesce(julianday(t.trigger_requested_at), julianday(t.next_run_at))),
-             t.name
-    LIMIT :limit)
-UNION ALL
-SELECT 'outlook', strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), NULL,
-       (SELECT next_run_at FROM scheduler_plugin_tasks
-        WHERE active AND NOT paused AND julianday(next_run_at) > julianday('now')
-        ORDER BY julianday(next_run_at) LIMIT 1),
-       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-
 -- name: plugin_claim
+-- As on PostgreSQL (postgres.sql): the claim, then the window, which here sees the claim.
 CREATE TEMP TABLE IF NOT EXISTS scheduler_claimed (
     name TEXT PRIMARY KEY, next TEXT, seen_trigger TEXT, run_slot TEXT, skip_slot TEXT);
 DELETE FROM temp.scheduler_claimed;
@@ -233,6 +206,12 @@ JOIN scheduler_plugin_tasks t
   ON t.name = json_extract(c.value, '$.name')
  AND julianday(t.next_run_at) = julianday(json_extract(c.value, '$.seen_next'))
 WHERE t.active AND NOT t.paused
+  AND (json_extract(c.value, '$.seen_definition') IS NULL
+       OR json_extract(c.value, '$.seen_definition') = json_array(
+           t.target, t.args, t.every_seconds, t.cron, t.timezone, t.timeout_seconds,
+           t.misfire, t.jitter_seconds))
+  AND (julianday(json_extract(c.value, '$.next')) = julianday(t.next_run_at)
+       OR julianday(t.next_run_at) <= julianday('now'))
   AND (json_extract(c.value, '$.run_slot') IS NULL
        OR julianday(t.trigger_requested_at) IS julianday(json_extract(c.value, '$.seen_trigger')))
   AND (json_extract(c.value, '$.run_slot') IS NULL OR NOT EXISTS (
@@ -259,7 +238,49 @@ FROM (SELECT name, run_slot AS slot, 'running' AS status
       FROM temp.scheduler_claimed WHERE skip_slot IS NOT NULL)
 WHERE true
 ON CONFLICT DO NOTHING
-RETURNING id, name, slot, status;
+RETURNING 'run' AS kind, id, name, slot, status;
+WITH outlook AS (
+    SELECT next_run_at AS slot FROM scheduler_plugin_tasks
+    WHERE active AND NOT paused AND julianday(next_run_at) > julianday('now')
+    ORDER BY julianday(next_run_at) LIMIT 1
+),
+seen AS (
+    SELECT name FROM (
+        SELECT name FROM scheduler_plugin_tasks
+        WHERE active AND NOT paused
+          AND julianday(next_run_at) <= max(julianday('now'),
+                                            coalesce(julianday((SELECT slot FROM outlook)), 0))
+                                        + :ahead / 86400.0
+          AND name NOT IN (SELECT name FROM temp.scheduler_claimed)
+        ORDER BY julianday(next_run_at) LIMIT :limit)
+    UNION
+    SELECT name FROM (
+        SELECT name FROM scheduler_plugin_tasks
+        WHERE active AND NOT paused AND trigger_requested_at IS NOT NULL
+          AND name NOT IN (SELECT name FROM temp.scheduler_claimed)
+        ORDER BY julianday(trigger_requested_at) LIMIT :limit)
+),
+window AS (
+    SELECT name FROM (
+        SELECT t.name FROM seen JOIN scheduler_plugin_tasks t USING (name)
+        ORDER BY min(julianday(t.next_run_at),
+                     coalesce(julianday(t.trigger_requested_at), julianday(t.next_run_at))),
+                 t.name
+        LIMIT :limit)
+    UNION
+    SELECT name FROM temp.scheduler_claimed
+)
+SELECT 'due' AS kind, strftime('%Y-%m-%dT%H:%M:%fZ', 'now') AS now, t.name, t.next_run_at,
+       t.trigger_requested_at,
+       json_array(t.target, t.args, t.every_seconds, t.cron, t.timezone, t.timeout_seconds,
+                  t.misfire, t.jitter_seconds) AS definition,
+       t.target, t.args, t.every_seconds, t.cron, t.timezone, t.timeout_seconds,
+       t.misfire, t.jitter_seconds
+FROM window JOIN scheduler_plugin_tasks t USING (name)
+WHERE t.active AND NOT t.paused
+UNION ALL
+SELECT 'outlook', strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), NULL, (SELECT slot FROM outlook),
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL;
 
 -- name: plugin_refuse
 UPDATE scheduler_plugin_tasks AS t

@@ -35,7 +35,7 @@ class SqlEndedFence(RuntimeError):
 
 
 # What a self-fenced statement may be without a fence of its own: reads.
-UNFENCED_READS = frozenset({"plugin_due", "now"})
+UNFENCED_READS = frozenset({"now"})
 
 
 class SelfFencedTx(PgTx):

@@ -4,14 +4,18 @@ Schedules are rows of ``scheduler_plugin_tasks``: the deployment's declared task
 plugins, built-ins), whose code this replica knows, and runtime schedules the application
 added, each naming a target the deployment declared runnable, with its own ``args``.
 
-A tick costs O(due), never O(schedules): in one fenced transaction (db/plugin_store.py)
-it reads the due schedules from the ``next_run_at`` index, oldest slot first and at most
-as many as it has free places (so however far behind the leader is, every schedule
-progresses and none starves), with the database's now and the next slot to come; then
-one statement claims the whole batch: each schedule's ``next_run_at`` advanced by
-compare-and-set on the value read, and its ``(name, slot)`` run inserted. The unique
-``(name, slot)`` and the one-running-run-per-schedule index are the guarantee: even two
-overlapping leaders cannot run one slot twice, nor two runs of one schedule at once.
+A tick costs O(due), never O(schedules), and one statement (``plugin_claim``,
+db/plugin_store.py): it claims the whole batch the tick planned, each schedule's
+``next_run_at`` advanced by compare-and-set on what was read and its ``(name, slot)`` run
+inserted, and reads the window the next tick plans from: the due schedules from the
+``next_run_at`` index, oldest slot first and at most as many as it has places (so however
+far behind the leader is, every schedule progresses and none starves), then those due
+soon after the next slot to come, with the database's now. The tick plans from the last
+window on its estimate of the database's clock; what that window missed or got wrong the
+claim leaves alone, and the next window holds. A leadership's first tick reads first.
+The unique ``(name, slot)`` and the one-running-run-per-schedule index are the
+guarantee: even two overlapping leaders cannot run one slot twice, nor two runs of one
+schedule at once.
 
 The runs start after that transaction commits, as work of the leadership inside a hold
 on the lock, so that none executes without this replica holding the loop's lock; their
@@ -37,13 +41,13 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from ..config.settings import Settings
 from ..db.base import Tx
-from ..db.plugin_store import Claim, Declaration, DueBatch, DueSchedule, PluginStore
+from ..db.plugin_store import Claim, ClaimedRun, DueBatch, DueSchedule, PluginStore
 from ..errors import describe
 from ..leadership import ClaimScope, LeadershipLost, Lease, PendingHold
 from ..logs import Logger
@@ -52,11 +56,11 @@ from ..plugins.tasks import Target, TaskSpec, plan, runtime_spec
 from ..plugins.workers import Workers
 from .base import LISTENING_MAX_SLEEP, Tick
 from .plugin_runs import Clock, PluginRuns, Start
+from .plugin_takeover import Takeover
 
 if TYPE_CHECKING:
     from ..db.listen import Listener
 
-ABANDONED = "abandoned: the replica running it lost the lock before it finished"
 # Sent by the scheduler_plugin_tasks triggers (migrations 0004, 0006) when a schedule
 # becomes due sooner than its leader may have planned.
 WAKE_CHANNEL = "scheduler_plugin_tasks_changed"
@@ -68,6 +72,8 @@ LAG_WARNING_EVERY = 10.0
 # together (one transaction for all of them, not one each), for at most this much more
 # lateness. 1,000 slots a second spread evenly cost 50 ticks a second, not 1,000.
 TICK_SPACING = 0.02
+MAX_AHEAD_ROUND_TRIP = 1.0  # the longest round trip a window's read-ahead allows for
+WAKE_PAST_SLOT = 0.001  # how long past a slot the loop wakes for it (see _next_wake)
 
 
 @dataclass(slots=True)
@@ -80,6 +86,14 @@ class TickPlan:
     waiting: bool = False  # something due waits for a free place or a run's end
     held: bool = False  # something due waits for its last run's result to be written
     unknown: bool = False  # a declared task another deployment declares: not ours
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """What a tick's statement read, for the next tick to plan from, and when."""
+
+    batch: DueBatch
+    clock: Clock
 
 
 @dataclass(slots=True)
@@ -125,7 +139,10 @@ class PluginWork:
         self.sticky = sticky  # a lease lasts until lost (session mode, SQLite)
         self.listener = listener  # PostgreSQL, session mode
         # The runs in flight and their results (loops/plugin_runs.py).
-        self.runs = PluginRuns(settings, metrics, workers, self._label, lambda: self.wake())
+        wake = lambda: self.wake()  # noqa: E731 (the runner sets self.wake later)
+        self.runs = PluginRuns(settings, metrics, workers, self._label, wake, sticky)
+        # What a leadership writes before it claims (loops/plugin_takeover.py).
+        self.takeover = Takeover(self.tasks, self.runnable, metrics, self._label)
         self.wake: Callable[[], None] = lambda: None  # the runner sets its own
         # The leadership's first tick takes over: reconciles the declared tasks and closes
         # the runs a predecessor left `running`. Until one has committed, every tick tries.
@@ -137,6 +154,10 @@ class PluginWork:
         # transaction to reconcile in: the next tick has one.
         self._declare_due = False
         self._runtime: dict[tuple[str, Any], TaskSpec] = {}  # built from rows, reused
+        # What the last tick's statement read: the next tick plans its claim from it, so
+        # that claim (and the next window's read) is one round trip. None: read first.
+        self._window: Window | None = None
+        self._round_trip = 0.0  # the last claim's, for how far ahead the window reads
         self._last_tick = 0.0
         self._lag_warned = 0.0
 
@@ -155,38 +176,33 @@ class PluginWork:
         holds: list[tuple[Lease, PendingHold, list[Start]]] = []
         try:
             async with scope.fence as tx:
-                wake, clock, starts = await self._claim_due(PluginStore(tx), scope, tick.log)
+                window, starts = await self._claim_due(PluginStore(tx), scope, tick.log)
                 for lease, group in self._by_lease(scope.claim.leases, starts):
                     holds.append((lease, await lease.hold_after(tx), group))
         except BaseException:
+            self._window = None  # what it read may have been rolled back
             for _, hold, _ in holds:
                 await hold.discard()  # what it would have run was rolled back
             raise
-        self._committed(scope)
+        self._committed(scope, window)
         for lease, hold, group in holds:
             try:
-                self.runs.start_batch(lease, hold, group, clock, tick.log)
+                self.runs.start_batch(lease, hold, group, window.clock, tick.log)
             except LeadershipLost:
                 if lease is tick.lease:
                     raise
                 # That shard was lost since the claim committed (the member goes on): its
                 # runs stay `running` for the shard's next owner to close, never run here.
                 tick.log.warning("shard.lost_before_start", runs=len(group))
-        if wake is None:
-            return None
-        # Counted from the read, which the claim and the commit followed: the runner
-        # sleeps from now, so what they took is already spent (one round trip or more,
-        # every tick, on a distant database).
-        return max(0.0, wake - (time.monotonic() - clock.local))
+        return self._next_wake(window)
 
     def _scope(self, lease: Lease) -> TickScope | None:
         """What this tick claims for, how it fences that, and what it closes (None: a
         sharded member that holds no shard yet)."""
         taking_over, orphans = not self._taken_over, self.runs.orphaned()
-        # The common tick is two statements: the read, then the claim, which fences itself
-        # (one round trip each, no transaction around them: the claim is a compare-and-set
-        # on what the read saw, as it is in a transaction). Closing and reconciling take
-        # several statements: a transaction.
+        # The common tick is one statement, the claim, which fences itself (no transaction
+        # around it: it compares-and-sets what was read, as it would in one). Closing and
+        # reconciling take several statements: a transaction.
         closing = taking_over or not self.sticky or orphans or self._declare_due
         claim = lease.claim_scope(self_fenced=not closing)
         if not claim.leases and not taking_over:
@@ -196,42 +212,66 @@ class PluginWork:
 
     async def _claim_due(
         self, store: PluginStore, scope: TickScope, log: Logger
-    ) -> tuple[float | None, Clock, list[Start]]:
-        """Close what needs closing, read what is due, claim what can run: when to wake
-        next, the database's clock, and the runs to start once this commits."""
+    ) -> tuple[Window, list[Start]]:
+        """Close what needs closing, plan what is due, claim what can run: the window read
+        after the claim (what the next tick plans from), and the runs to start once this
+        commits."""
         if scope.taking_over:
-            await self._take_over(store, log)
+            await self.takeover.take_over(store, log)
         # Whoever holds the lock knows that nothing executes the runs still marked
         # `running` (runs execute under the lock): a sticky leader when it takes over, in
         # transaction mode every tick that wins. (Had their replica lost its hold to the
         # server and still be stopping them, the guard waited for it before this tick:
         # see the guards' settle.)
         if scope.taking_over or not self.sticky or scope.orphans or scope.fresh:
-            await self._abandon(store, log, scope.orphans)
+            await self.takeover.abandon(store, log, self.runs.ours(scope.orphans))
         # Schedules in flight are read too (their slot is skipped as overlapping), and
         # those whose result is not written yet (they wait for it).
         limit = max(1, self._free() + self.runs.in_flight())
-        asked = time.monotonic()
-        batch = await store.due(limit)
-        # The database read its clock about halfway through the round trip: that moment,
-        # on ours, is what its now maps to (half a round trip of error at most, not one).
-        clock = Clock(batch.now, (asked + time.monotonic()) / 2)
+        # A sticky leader plans from what its last statement read, on its estimate of the
+        # database's clock: its claim is then this tick's one round trip. What that window
+        # missed or got wrong (a schedule added or changed since, a clock read early) the
+        # claim leaves alone, and the window read with it holds: the next tick claims it.
+        # A lease that is new to this tick has no window of its own yet: read first.
+        window = self._window if self.sticky and not scope.fresh else None
+        read_now = window is None
+        if window is None:
+            _, window = await self._claimed(store, [], limit)
+        now = window.clock.now()
         # The orphans closed above free their schedules in this very transaction: planned
         # as held (waiting for a result that never comes), they would wait for the
         # longest sleep instead of running now.
-        plan_ = self._plan(batch, closing=set(scope.orphans.values()))
+        plan_ = self._plan(window.batch, set(scope.orphans.values()), now)
         # Said now, before the awaits below: a run that ends meanwhile must see that
         # something waits for its place (or its result).
-        truncated = len(batch.due) >= limit
-        self.runs.want(place=plan_.waiting or truncated, results=plan_.held or truncated)
-        starts = await self._write_plan(store, plan_, scope, log)
-        self._report(batch, plan_, log)
-        wake = 0.0 if self._declare_due else self._next_wake(batch, plan_, limit)
-        return wake, clock, starts
+        full = window.batch.full
+        self.runs.want(place=plan_.waiting or full, results=plan_.held or full)
+        await self._write_plan(store, plan_, scope, log)
+        self._report(window.batch, now, plan_, log)
+        if not plan_.claims and read_now:
+            return window, []  # just read: nothing to claim, nothing newer to read
+        runs, fresh = await self._claimed(store, plan_.claims, limit)
+        return fresh, self._starts(plan_, runs, log)
+
+    async def _claimed(
+        self, store: PluginStore, claims: list[Claim], limit: int
+    ) -> tuple[list[ClaimedRun], Window]:
+        """One statement: ``claims`` claimed, and the window read after them."""
+        asked = time.monotonic()
+        # Far enough past the next slot to hold the next tick's work: the tick wakes at
+        # that slot, at least TICK_SPACING after this one, and reads one round trip later.
+        ahead = 2 * TICK_SPACING + min(self._round_trip, MAX_AHEAD_ROUND_TRIP)
+        result = await store.claim(self.settings.instance_id, claims, limit=limit, ahead=ahead)
+        answered = time.monotonic()
+        self._round_trip = answered - asked
+        # The database read its clock about halfway through the round trip: that moment,
+        # on ours, is what its now maps to (half a round trip of error at most, not one).
+        clock = Clock(result.window.now, (asked + answered) / 2)
+        return result.runs, Window(result.window, clock)
 
     async def _write_plan(
         self, store: PluginStore, plan_: TickPlan, scope: TickScope, log: Logger
-    ) -> list[Start]:
+    ) -> None:
         if plan_.unknown and not self.sharded:
             # The leader's declarations win. Sharded, members of two deployments (a rolling
             # deploy) would retire each other's new tasks: a member declares when it
@@ -240,18 +280,16 @@ class PluginWork:
             if scope.self_fenced:
                 self._declare_due = True
             else:
-                await self._declare(store, log)
+                await self.takeover.declare(store, log)
         if plan_.refused:
             await store.refuse(plan_.refused)
             for name, reason in plan_.refused.items():
                 log.error("task.refused", task=name, error=reason)
-        if not plan_.claims:
-            return []
-        claimed = await store.claim(self.settings.instance_id, plan_.claims)
-        return self._starts(plan_, claimed, log)
 
-    def _committed(self, scope: TickScope) -> None:
-        """The tick's writes are in: what it closed may run again."""
+    def _committed(self, scope: TickScope, window: Window) -> None:
+        """The tick's writes are in: what it closed may run again, and what it read is
+        what the next tick plans from."""
+        self._window = window
         self._taken_over = True  # reconciled, and its predecessors' runs closed
         if not scope.self_fenced:
             self._declare_due = False
@@ -289,15 +327,17 @@ class PluginWork:
             self._runtime[key] = spec
         return spec
 
-    def _plan(self, batch: DueBatch, closing: set[str]) -> TickPlan:
-        """What to claim of what is due. One run per schedule per claim, never one of a
-        schedule whose previous run is still executing (that slot is skipped, as
+    def _plan(self, batch: DueBatch, closing: set[str], now: datetime) -> TickPlan:
+        """What to claim of what is due at ``now``. One run per schedule per claim, never
+        one of a schedule whose previous run is still executing (that slot is skipped, as
         overlapping); a schedule that finds no free place stays due, oldest first. A schedule
         whose result is not written yet waits for it, unless its run is in ``closing`` (an
         orphan abandoned by this tick's transaction)."""
         result = TickPlan()
         free, sync_free = self.runs.free()
         for due in batch.due:
+            if due.due_at() > now:
+                break  # the window is in due_at order: the rest are later still
             spec = self._spec(due)
             if spec is None:
                 result.unknown = True
@@ -313,7 +353,7 @@ class PluginWork:
             if not busy and (free <= 0 or (is_sync and sync_free <= 0)):
                 result.waiting = True  # stays due until a place frees
                 continue
-            if self._plan_one(due, spec, batch.now, busy, result):
+            if self._plan_one(due, spec, now, busy, result):
                 free -= 1
                 sync_free -= is_sync
         return result
@@ -342,7 +382,8 @@ class PluginWork:
             # end (its end wakes the loop).
             skip = slots[0] if slots else None
             if next_run_at != due.next_run_at or skip is not None:
-                result.claims.append(Claim(due.name, due.next_run_at, next_run_at, skip_slot=skip))
+                claim = Claim(due.name, due.next_run_at, next_run_at, None, due.definition)
+                result.claims.append(replace(claim, skip_slot=skip))
             result.waiting = result.waiting or trigger is not None
             return False
         if trigger is not None:
@@ -356,6 +397,7 @@ class PluginWork:
                 seen_next=due.next_run_at,
                 next_run_at=next_run_at,
                 seen_trigger=trigger,
+                seen_definition=due.definition,
                 run_slot=run_slot,
                 skip_slot=skip_slot,
             )
@@ -389,9 +431,9 @@ class PluginWork:
             )
         return starts
 
-    def _report(self, batch: DueBatch, plan_: TickPlan, log: Logger) -> None:
-        oldest = batch.oldest_due
-        lag = 0.0 if oldest is None else max(0.0, (batch.now - oldest).total_seconds())
+    def _report(self, batch: DueBatch, now: datetime, plan_: TickPlan, log: Logger) -> None:
+        oldest = batch.oldest_due(now)
+        lag = 0.0 if oldest is None else max(0.0, (now - oldest).total_seconds())
         self.metrics.plugin_lag.set(lag)
         if plan_.misfired:
             self.metrics.plugin_misfires.inc(len(plan_.misfired))
@@ -415,18 +457,28 @@ class PluginWork:
                 "shorten the runs",
             )  # fmt: skip
 
-    def _next_wake(self, batch: DueBatch, plan_: TickPlan, limit: int) -> float | None:
-        """Until the next slot to come. What is due but waits (for a place, for a run of
+    def _next_wake(self, window: Window) -> float | None:
+        """Until the next slot to come, by the window the tick read last. What is due now
+        and could be claimed: at once. What is due but waits (for a place, for a run of
         its own to end, for its last result to be written) is woken by that event, not
         by a sleep: the other schedules' slots still wake the loop on time."""
-        if len(batch.due) >= limit and self._free() - len(plan_.specs) > 0:
-            return 0.0  # more may be due than this tick read, and places are left
-        upcoming = [claim.next_run_at for claim in plan_.claims]
+        if self._declare_due:
+            return 0.0
+        batch = window.batch  # planned as the next tick would now, with the runs started
+        ahead = self._plan(batch, set(), batch.now)
+        self.runs.want(place=ahead.waiting or batch.full, results=ahead.held or batch.full)
+        if ahead.claims or ahead.refused or (batch.full and self._free() > 0):
+            return 0.0
+        upcoming = [due.due_at() for due in batch.due if due.due_at() > batch.now]
         if batch.next_slot is not None:
             upcoming.append(batch.next_slot)
         if not upcoming:
             return None
-        return max(0.0, (min(upcoming) - batch.now).total_seconds())
+        # Counted from the statement that read it: the runner sleeps from now, so what
+        # the tick took since is already spent. A hair past the slot: a sleep may end a
+        # hair early, and the tick would find nothing due yet by its clock.
+        until = (min(upcoming) - batch.now).total_seconds()
+        return max(0.0, until - (time.monotonic() - window.clock.local)) + WAKE_PAST_SLOT
 
     def max_sleep(self) -> float:
         if self.listener is not None and self.listener.listening:
@@ -438,6 +490,7 @@ class PluginWork:
 
     async def leadership_started(self, lease: Lease) -> None:
         self._taken_over = False
+        self._window = None
         self._caught_up = set()
         lease.wake_on_gain(self.wake)  # a shard taken is claimed for at once
         if self.listener is not None:
@@ -449,54 +502,13 @@ class PluginWork:
         meanwhile cancels them at once). Either way the guard then stops whatever is left,
         before it lets the lock go."""
         self._taken_over = False
+        self._window = None
         self._caught_up = set()
         self.metrics.plugin_lag.set(0)  # a standby reports no lag: only the leader knows
         if self.listener is not None:
             self.listener.unsubscribe(WAKE_CHANNEL)
         if graceful:
             await self.runs.batches_ended()
-
-    # -- a leadership's first tick ----------------------------------------------------------
-
-    async def _take_over(self, store: PluginStore, log: Logger) -> None:
-        """Bring declared tasks' rows in line with this deployment, keeping every known
-        task's next_run_at (a restart must not reschedule), and publish what runtime
-        schedules may name."""
-        await self._declare(store, log)
-        await store.publish_runnable(self.runnable)
-
-    async def _declare(self, store: PluginStore, log: Logger) -> None:
-        now = await store.now()
-        declared = [
-            Declaration(spec.name, spec.schedule.describe(), spec.schedule.first(now), spec.source)
-            for spec in self.tasks.values()
-        ]
-        for change in await store.declare(declared):
-            spec = self.tasks.get(change.name)
-            schedule = spec.schedule.describe() if spec is not None else None
-            if change.change == "registered":
-                log.info(
-                    "task.registered", task=change.name, schedule=schedule,
-                    source=spec.source if spec is not None else None,
-                )  # fmt: skip
-            elif change.change == "rescheduled":
-                log.info("task.rescheduled", task=change.name, schedule=schedule)
-            elif change.change == "shadowed":
-                log.error(
-                    "task.shadowed", task=change.name,
-                    hint="a runtime schedule has this declared task's name: the runtime "
-                    "schedule runs; remove it or rename the task",
-                )  # fmt: skip
-
-    async def _abandon(self, store: PluginStore, log: Logger, orphans: dict[int, str]) -> None:
-        # Our own runs in flight are left alone: they will write their results. Not the
-        # orphans among them, which never will.
-        for run in await store.abandon(ABANDONED, self.runs.ours(orphans)):
-            self.metrics.plugin_runs.labels(self._label(run.name, None), "abandoned").inc()
-            log.warning(
-                "task.abandoned", task=run.name, slot=run.slot.isoformat(),
-                run_instance=run.instance,  # `instance` names the logger
-            )  # fmt: skip
 
     def _label(self, name: str, spec: TaskSpec | None) -> str:
         """The ``task`` label of a run's metrics: a declared task's name, a runtime

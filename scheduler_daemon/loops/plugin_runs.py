@@ -97,12 +97,17 @@ class PluginRuns:
         workers: Workers | None,
         label: Callable[[str, TaskSpec | None], str],
         wake: Callable[[], None],
+        sticky: bool,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.workers = workers  # runs sync targets; None when no target is sync
         self._label = label  # a run's metrics' ``task`` label (PluginWork._label)
         self.wake = wake  # the loop's: a tick now
+        # A lease that lasts until lost: a batch's end is worth a tick only if something
+        # waits for it. Otherwise (transaction mode) its hold kept the lock from the
+        # ticks, which its end lets win it again.
+        self.sticky = sticky
         # Executing runs by schedule name (a claimed run counts from its claim on).
         self.running: dict[str, asyncio.Task[Any]] = {}
         self.sync_running: set[str] = set()  # of those, sync targets (worker processes)
@@ -207,12 +212,16 @@ class PluginRuns:
                 await pending.discard()  # cancelled before it began: never leave it queued
             # A result not written stays `running` for a holder of the lock to abandon;
             # its schedule may be claimed again (it cannot have been meanwhile).
+            released = False
             for run, start in runs.items():
                 unwritten = start.run_id not in written
                 orphan = start.run_id in self.orphans  # unrecorded until abandoned
                 if run.done() and not run.cancelled() and unwritten and not orphan:
                     self.unrecorded.discard(start.spec.name)
-            self.wake()
+                    released = True
+            waited = self.want_place or self.want_results or self.orphans or released
+            if waited or not self.sticky:
+                self.wake()
 
     async def _collect(
         self,
