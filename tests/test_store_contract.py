@@ -499,6 +499,34 @@ async def test_refuse_pauses_with_the_reason(store: Store) -> None:
     assert "not runnable" in row["last_error"]
 
 
+async def test_a_refusal_is_of_the_schedule_as_it_was_read(store: Store) -> None:
+    """A tick plans from a window an earlier statement read: a runtime schedule refused
+    on what it said then, but fixed since (here its target, now a runnable one), is not
+    paused; one still as it was read is."""
+    async with store.transaction() as tx:
+        await PluginStore(tx).publish_runnable(["pkg.mod:ok", "pkg.mod:also"])
+        for name in ("fixed", "broken"):
+            await tx.run(
+                _sql(
+                    store,
+                    "INSERT INTO scheduler_plugin_tasks (name, target, every_seconds) "
+                    "VALUES ($1, 'pkg.mod:ok', 5)",
+                ),
+                name,
+            )
+    async with store.transaction() as tx:
+        seen = {due.name: due for due in (await PluginStore(tx).due(limit=10)).due}
+    async with store.transaction() as tx:
+        await tx.run(
+            _sql(store, "UPDATE scheduler_plugin_tasks SET target = $1 WHERE name = 'fixed'"),
+            "pkg.mod:also",
+        )
+    async with store.transaction() as tx:
+        await PluginStore(tx).refuse({"fixed": "no", "broken": "no"}, seen)
+    state = await rows(store, "SELECT name, paused FROM scheduler_plugin_tasks ORDER BY name")
+    assert [(r["name"], bool(r["paused"])) for r in state] == [("broken", True), ("fixed", False)]
+
+
 async def test_a_sharded_scope_keeps_to_its_shards_while_their_tokens_are_current(
     pg_url: str,
 ) -> None:

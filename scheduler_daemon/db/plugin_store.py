@@ -15,9 +15,10 @@ its current fencing token in the same statement.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from .base import Tx
@@ -55,14 +56,37 @@ class DueSchedule:
 
 
 @dataclass(frozen=True, slots=True)
+class Clock:
+    """The database's clock at a statement, against ours (``time.monotonic()``): a tick
+    plans by it, and a run's end, measured here, is recorded on the database's clock
+    without waiting for a statement to stamp it."""
+
+    db_now: datetime
+    local: float
+
+    def now(self) -> datetime:
+        return self.db_now + timedelta(seconds=time.monotonic() - self.local)
+
+
+@dataclass(frozen=True, slots=True)
 class DueBatch:
     """A window on the schedules, as of one statement: what is due, oldest first, then
     what falls due soon after (the next tick's work, claimed from here in one round trip)."""
 
     now: datetime  # the database's clock, as of that statement
     due: list[DueSchedule]  # by due_at, then name; some not due yet
-    next_slot: datetime | None  # the earliest slot not due yet (active, not paused)
+    # The earliest slot not due yet, of the schedules the statement did not claim (those
+    # it claimed are in ``due``, as they are after the claim).
+    next_slot: datetime | None
     full: bool = False  # as many due as the read's limit: more may be due than it holds
+    # Our clock: ``now`` happened about halfway through the statement's round trip (half
+    # a round trip of error at most, not one).
+    local: float = 0.0
+    round_trip: float = 0.0
+
+    @property
+    def clock(self) -> Clock:
+        return Clock(self.now, self.local)
 
     def oldest_due(self, now: datetime) -> datetime | None:
         slots = [s.next_run_at for s in self.due if s.next_run_at <= now]
@@ -151,19 +175,22 @@ def _storable(text: str | None) -> str | None:
     return text.replace("\x00", "\\0").encode("utf-8", "replace").decode("utf-8")
 
 
-def _window(rows: list[dict[str, Any]], limit: int) -> DueBatch:
+def _window(rows: list[dict[str, Any]], limit: int, asked: float, answered: float) -> DueBatch:
     due: list[DueSchedule] = []
+    read: list[DueSchedule] = []  # what the window read (not what the claim advanced)
     now: datetime | None = None
     next_slot: datetime | None = None
     for row in rows:
         if row["kind"] == "outlook":
             now, next_slot = row["now"], row["next_run_at"]
-        elif row["kind"] == "due":
+        elif row["kind"] != "run":
             due.append(_due_schedule(row))
+            if row["kind"] == "due":
+                read.append(due[-1])
     assert now is not None  # the outlook row is always there
     due.sort(key=lambda s: (s.due_at(), s.name))
-    full = sum(1 for s in due if s.due_at() <= now) >= limit
-    return DueBatch(now=now, due=due, next_slot=next_slot, full=full)
+    full = sum(1 for s in read if s.due_at() <= now) >= limit
+    return DueBatch(now, due, next_slot, full, (asked + answered) / 2, answered - asked)
 
 
 def _due_schedule(row: dict[str, Any]) -> DueSchedule:
@@ -255,20 +282,34 @@ class PluginStore:
             }
             for c in claims
         )
+        asked = time.monotonic()
         rows = await self.tx.query(
             "plugin_claim", claims=payload, instance=instance, limit=limit, ahead=ahead,
             **self._scope,
         )  # fmt: skip
+        answered = time.monotonic()
         runs = [
             ClaimedRun(row["id"], row["name"], row["slot"], row["status"])
             for row in rows
             if row["kind"] == "run"
         ]
-        return Claimed(runs, _window(rows, limit))
+        return Claimed(runs, _window(rows, limit, asked, answered))
 
-    async def refuse(self, refused: dict[str, str]) -> None:
-        """Pause runtime schedules this leader cannot run, each with its reason."""
-        payload = json.dumps([{"name": n, "error": e} for n, e in refused.items()])
+    async def refuse(
+        self, refused: Mapping[str, str], seen: Mapping[str, DueSchedule] | None = None
+    ) -> None:
+        """Pause runtime schedules this leader cannot run, each with its reason; one
+        ``seen`` (as read) only if its slot and definition are still what was read."""
+        seen = seen or {}
+        payload = _json(
+            {
+                "name": name,
+                "error": error,
+                "seen_next": seen[name].next_run_at if name in seen else None,
+                "seen_definition": seen[name].definition if name in seen else None,
+            }
+            for name, error in refused.items()
+        )
         await self.tx.query("plugin_refuse", refused=payload)
 
     async def finish(

@@ -838,7 +838,8 @@ RETURNING name, slot, instance
 -- then what falls due within :ahead seconds of the next slot to come (the next tick's
 -- work, which it then claims in one round trip); at most :limit rows read, plus the
 -- schedules this statement advanced, as they are now (the rest of the statement sees the
--- rows as they were). 'outlook': the database's now and the next slot to come.
+-- rows as they were): kind 'due' and 'advanced'. 'outlook': the database's now (the
+-- statement's: in a transaction, later than now()) and the next slot to come.
 WITH fence AS MATERIALIZED (  -- Self-fenced (above)
     SELECT CASE WHEN :fence_loop::text IS NULL THEN true
                 ELSE scheduler_fence(:fence_loop::text, :fence_token::bigint,
@@ -883,7 +884,7 @@ advanced AS (
       AND (c.seen_definition IS NULL OR c.seen_definition = md5(json_build_array(
           t.target, t.args, t.every_seconds, t.cron, t.timezone, t.timeout_seconds,
           t.misfire, t.jitter_seconds)::text))
-      AND (c.next = c.seen_next OR c.seen_next <= now())
+      AND (c.next = c.seen_next OR c.seen_next <= statement_timestamp())
       -- A claim that starts a run saw the trigger it consumes (or none): still the same.
       AND (c.run_slot IS NULL OR t.trigger_requested_at IS NOT DISTINCT FROM c.seen_trigger)
       AND (:owned::text IS NULL OR t.shard_hash % :k IN (SELECT shard FROM current_shards))
@@ -907,7 +908,7 @@ inserted AS (
 outlook AS (
     SELECT min(next_run_at) AS slot FROM (
         SELECT next_run_at FROM scheduler_plugin_tasks
-        WHERE active AND NOT paused AND next_run_at > now()
+        WHERE active AND NOT paused AND next_run_at > statement_timestamp()
           AND (:owned::text IS NULL OR shard_hash % :k IN (SELECT shard FROM owned))
           AND name NOT IN (SELECT name FROM advanced)
         ORDER BY next_run_at LIMIT 1) AS first
@@ -915,7 +916,7 @@ outlook AS (
 seen AS (
     (SELECT name FROM scheduler_plugin_tasks
      WHERE active AND NOT paused
-       AND next_run_at <= greatest(now(), (SELECT slot FROM outlook))
+       AND next_run_at <= greatest(statement_timestamp(), (SELECT slot FROM outlook))
                           + make_interval(secs => :ahead::float8)
        AND (:owned::text IS NULL OR shard_hash % :k IN (SELECT shard FROM owned))
        AND name NOT IN (SELECT name FROM advanced)
@@ -928,13 +929,13 @@ seen AS (
      ORDER BY trigger_requested_at LIMIT :limit)
 ),
 window_rows AS (
-    (SELECT t.* FROM seen JOIN scheduler_plugin_tasks t USING (name)
+    (SELECT 'due' AS kind, t.* FROM seen JOIN scheduler_plugin_tasks t USING (name)
      ORDER BY least(t.next_run_at, t.trigger_requested_at), t.name
      LIMIT :limit)
     UNION ALL
-    SELECT * FROM advanced WHERE active AND NOT paused
+    SELECT 'advanced', * FROM advanced WHERE active AND NOT paused
 )
-SELECT 'due' AS kind, now() AS now, NULL::bigint AS id, w.name, NULL::timestamptz AS slot,
+SELECT w.kind, statement_timestamp() AS now, NULL::bigint AS id, w.name, NULL::timestamptz AS slot,
        NULL::text AS status, w.next_run_at, w.trigger_requested_at,
        md5(json_build_array(w.target, w.args, w.every_seconds, w.cron, w.timezone,
                             w.timeout_seconds, w.misfire, w.jitter_seconds)::text) AS definition,
@@ -943,11 +944,11 @@ SELECT 'due' AS kind, now() AS now, NULL::bigint AS id, w.name, NULL::timestampt
        CASE WHEN :owned::text IS NULL THEN NULL ELSE w.shard_hash % :k END AS shard
 FROM window_rows w
 UNION ALL
-SELECT 'run', now(), i.id, i.name, i.slot, i.status, NULL, NULL, NULL, NULL, NULL, NULL,
+SELECT 'run', statement_timestamp(), i.id, i.name, i.slot, i.status, NULL, NULL, NULL, NULL, NULL, NULL,
        NULL, NULL, NULL, NULL, NULL, NULL
 FROM inserted i
 UNION ALL
-SELECT 'outlook', now(), NULL, NULL, NULL, NULL, (SELECT slot FROM outlook), NULL, NULL,
+SELECT 'outlook', statement_timestamp(), NULL, NULL, NULL, NULL, (SELECT slot FROM outlook), NULL, NULL,
        NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: plugin_refuse
@@ -959,7 +960,8 @@ WITH fence AS MATERIALIZED (  -- Self-fenced (above)
                                      :fence_newest::integer) END AS ok
 ),
 refused AS (
-    SELECT * FROM jsonb_to_recordset(:refused::text::jsonb) AS r(name text, error text)
+    SELECT * FROM jsonb_to_recordset(:refused::text::jsonb)
+        AS r(name text, error text, seen_next timestamptz, seen_definition text)
 ),
 locked AS MATERIALIZED (  -- Row locks (above)
     SELECT r.* FROM scheduler_plugin_tasks t JOIN refused r ON r.name = t.name
@@ -971,6 +973,11 @@ UPDATE scheduler_plugin_tasks t
 SET paused = true, last_status = 'failed', last_error = r.error, updated_at = now()
 FROM locked r
 WHERE t.name = r.name
+  -- Refused as it was read: not once it changed (fixed by someone, say) since.
+  AND (r.seen_next IS NULL OR t.next_run_at = r.seen_next)
+  AND (r.seen_definition IS NULL OR r.seen_definition = md5(json_build_array(
+      t.target, t.args, t.every_seconds, t.cron, t.timezone, t.timeout_seconds,
+      t.misfire, t.jitter_seconds)::text))
 RETURNING t.name
 
 -- name: plugin_finish

@@ -270,7 +270,9 @@ window AS (
     UNION
     SELECT name FROM temp.scheduler_claimed
 )
-SELECT 'due' AS kind, strftime('%Y-%m-%dT%H:%M:%fZ', 'now') AS now, t.name, t.next_run_at,
+SELECT CASE WHEN t.name IN (SELECT name FROM temp.scheduler_claimed) THEN 'advanced'
+            ELSE 'due' END AS kind,
+       strftime('%Y-%m-%dT%H:%M:%fZ', 'now') AS now, t.name, t.next_run_at,
        t.trigger_requested_at,
        json_array(t.target, t.args, t.every_seconds, t.cron, t.timezone, t.timeout_seconds,
                   t.misfire, t.jitter_seconds) AS definition,
@@ -288,6 +290,12 @@ SET paused = 1, last_status = 'failed', last_error = json_extract(r.value, '$.er
     updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now')
 FROM json_each(:refused) AS r
 WHERE t.name = json_extract(r.value, '$.name')
+  AND (json_extract(r.value, '$.seen_next') IS NULL
+       OR julianday(t.next_run_at) = julianday(json_extract(r.value, '$.seen_next')))
+  AND (json_extract(r.value, '$.seen_definition') IS NULL
+       OR json_extract(r.value, '$.seen_definition') = json_array(
+           t.target, t.args, t.every_seconds, t.cron, t.timezone, t.timeout_seconds,
+           t.misfire, t.jitter_seconds))
 RETURNING name
 
 -- name: plugin_finish

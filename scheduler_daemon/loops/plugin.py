@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config.settings import Settings
 from ..db.base import Tx
-from ..db.plugin_store import Claim, ClaimedRun, DueBatch, DueSchedule, PluginStore
+from ..db.plugin_store import Claim, Claimed, DueBatch, DueSchedule, PluginStore
 from ..errors import describe
 from ..leadership import ClaimScope, LeadershipLost, Lease, PendingHold
 from ..logs import Logger
@@ -55,7 +55,7 @@ from ..metrics import Metrics
 from ..plugins.tasks import Target, TaskSpec, plan, runtime_spec
 from ..plugins.workers import Workers
 from .base import LISTENING_MAX_SLEEP, Tick
-from .plugin_runs import Clock, PluginRuns, Start
+from .plugin_runs import PluginRuns, Start
 from .plugin_takeover import Takeover
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ LAG_WARNING_EVERY = 10.0
 # lateness. 1,000 slots a second spread evenly cost 50 ticks a second, not 1,000.
 TICK_SPACING = 0.02
 MAX_AHEAD_ROUND_TRIP = 1.0  # the longest round trip a window's read-ahead allows for
-WAKE_PAST_SLOT = 0.001  # how long past a slot the loop wakes for it (see _next_wake)
+WAKE_PAST_SLOT = 0.0002  # how long past a slot the loop wakes for it (see _next_wake)
 
 
 @dataclass(slots=True)
@@ -86,14 +86,6 @@ class TickPlan:
     waiting: bool = False  # something due waits for a free place or a run's end
     held: bool = False  # something due waits for its last run's result to be written
     unknown: bool = False  # a declared task another deployment declares: not ours
-
-
-@dataclass(frozen=True, slots=True)
-class Window:
-    """What a tick's statement read, for the next tick to plan from, and when."""
-
-    batch: DueBatch
-    clock: Clock
 
 
 @dataclass(slots=True)
@@ -156,8 +148,7 @@ class PluginWork:
         self._runtime: dict[tuple[str, Any], TaskSpec] = {}  # built from rows, reused
         # What the last tick's statement read: the next tick plans its claim from it, so
         # that claim (and the next window's read) is one round trip. None: read first.
-        self._window: Window | None = None
-        self._round_trip = 0.0  # the last claim's, for how far ahead the window reads
+        self._window: DueBatch | None = None
         self._last_tick = 0.0
         self._lag_warned = 0.0
 
@@ -212,7 +203,7 @@ class PluginWork:
 
     async def _claim_due(
         self, store: PluginStore, scope: TickScope, log: Logger
-    ) -> tuple[Window, list[Start]]:
+    ) -> tuple[DueBatch, list[Start]]:
         """Close what needs closing, plan what is due, claim what can run: the window read
         after the claim (what the next tick plans from), and the runs to start once this
         commits."""
@@ -236,41 +227,34 @@ class PluginWork:
         window = self._window if self.sticky and not scope.fresh else None
         read_now = window is None
         if window is None:
-            _, window = await self._claimed(store, [], limit)
+            window = (await self._claimed(store, [], limit)).window
+        elif self.sharded:  # a shard lost since: not planned for
+            window = replace(window, due=[d for d in window.due if d.shard in scope.claim.leases])
         now = window.clock.now()
         # The orphans closed above free their schedules in this very transaction: planned
         # as held (waiting for a result that never comes), they would wait for the
         # longest sleep instead of running now.
-        plan_ = self._plan(window.batch, set(scope.orphans.values()), now)
+        plan_ = self._plan(window, set(scope.orphans.values()), now)
         # Said now, before the awaits below: a run that ends meanwhile must see that
         # something waits for its place (or its result).
-        full = window.batch.full
-        self.runs.want(place=plan_.waiting or full, results=plan_.held or full)
-        await self._write_plan(store, plan_, scope, log)
-        self._report(window.batch, now, plan_, log)
+        self.runs.want(place=plan_.waiting or window.full, results=plan_.held or window.full)
+        await self._write_plan(store, plan_, window, scope, log)
+        self._report(window, now, plan_, log)
         if not plan_.claims and read_now:
             return window, []  # just read: nothing to claim, nothing newer to read
-        runs, fresh = await self._claimed(store, plan_.claims, limit)
-        return fresh, self._starts(plan_, runs, log)
+        claimed = await self._claimed(store, plan_.claims, limit)
+        return claimed.window, self._starts(plan_, claimed, log)
 
-    async def _claimed(
-        self, store: PluginStore, claims: list[Claim], limit: int
-    ) -> tuple[list[ClaimedRun], Window]:
+    async def _claimed(self, store: PluginStore, claims: list[Claim], limit: int) -> Claimed:
         """One statement: ``claims`` claimed, and the window read after them."""
-        asked = time.monotonic()
         # Far enough past the next slot to hold the next tick's work: the tick wakes at
         # that slot, at least TICK_SPACING after this one, and reads one round trip later.
-        ahead = 2 * TICK_SPACING + min(self._round_trip, MAX_AHEAD_ROUND_TRIP)
-        result = await store.claim(self.settings.instance_id, claims, limit=limit, ahead=ahead)
-        answered = time.monotonic()
-        self._round_trip = answered - asked
-        # The database read its clock about halfway through the round trip: that moment,
-        # on ours, is what its now maps to (half a round trip of error at most, not one).
-        clock = Clock(result.window.now, (asked + answered) / 2)
-        return result.runs, Window(result.window, clock)
+        last = self._window.round_trip if self._window is not None else 0.0
+        ahead = 2 * TICK_SPACING + min(last, MAX_AHEAD_ROUND_TRIP)
+        return await store.claim(self.settings.instance_id, claims, limit=limit, ahead=ahead)
 
     async def _write_plan(
-        self, store: PluginStore, plan_: TickPlan, scope: TickScope, log: Logger
+        self, store: PluginStore, plan_: TickPlan, seen: DueBatch, scope: TickScope, log: Logger
     ) -> None:
         if plan_.unknown and not self.sharded:
             # The leader's declarations win. Sharded, members of two deployments (a rolling
@@ -282,11 +266,11 @@ class PluginWork:
             else:
                 await self.takeover.declare(store, log)
         if plan_.refused:
-            await store.refuse(plan_.refused)
+            await store.refuse(plan_.refused, {due.name: due for due in seen.due})
             for name, reason in plan_.refused.items():
                 log.error("task.refused", task=name, error=reason)
 
-    def _committed(self, scope: TickScope, window: Window) -> None:
+    def _committed(self, scope: TickScope, window: DueBatch) -> None:
         """The tick's writes are in: what it closed may run again, and what it read is
         what the next tick plans from."""
         self._window = window
@@ -408,9 +392,9 @@ class PluginWork:
         result.shards[due.name] = due.shard
         return True
 
-    def _starts(self, plan_: TickPlan, claimed: list[Any], log: Logger) -> list[Start]:
+    def _starts(self, plan_: TickPlan, claimed: Claimed, log: Logger) -> list[Start]:
         starts: list[Start] = []
-        got = {(run.name, run.slot): run for run in claimed}
+        got = {(run.name, run.slot): run for run in claimed.runs}
         for claim in plan_.claims:
             if claim.skip_slot is not None and (claim.name, claim.skip_slot) in got:
                 label = self._label(claim.name, plan_.specs.get(claim.name))
@@ -421,6 +405,12 @@ class PluginWork:
             if claim.run_slot is None:
                 continue
             run = got.get((claim.name, claim.run_slot))
+            early = claim.next_run_at != claim.seen_next and claim.seen_next > claimed.window.now
+            if run is None and early:
+                # Planned on our estimate of the database's clock, which was ahead of it
+                # (the statement's own now said so): not due yet there. At once, again.
+                self._last_tick = 0.0
+                continue
             if run is None:
                 # Its next_run_at moved since the read (a change wins: looked at again next
                 # tick), or the slot was taken: nothing runs.
@@ -457,15 +447,14 @@ class PluginWork:
                 "shorten the runs",
             )  # fmt: skip
 
-    def _next_wake(self, window: Window) -> float | None:
+    def _next_wake(self, batch: DueBatch) -> float | None:
         """Until the next slot to come, by the window the tick read last. What is due now
         and could be claimed: at once. What is due but waits (for a place, for a run of
         its own to end, for its last result to be written) is woken by that event, not
         by a sleep: the other schedules' slots still wake the loop on time."""
         if self._declare_due:
             return 0.0
-        batch = window.batch  # planned as the next tick would now, with the runs started
-        ahead = self._plan(batch, set(), batch.now)
+        ahead = self._plan(batch, set(), batch.now)  # as the next tick would, with the runs
         self.runs.want(place=ahead.waiting or batch.full, results=ahead.held or batch.full)
         if ahead.claims or ahead.refused or (batch.full and self._free() > 0):
             return 0.0
@@ -478,7 +467,7 @@ class PluginWork:
         # the tick took since is already spent. A hair past the slot: a sleep may end a
         # hair early, and the tick would find nothing due yet by its clock.
         until = (min(upcoming) - batch.now).total_seconds()
-        return max(0.0, until - (time.monotonic() - window.clock.local)) + WAKE_PAST_SLOT
+        return max(0.0, until - (time.monotonic() - batch.local)) + WAKE_PAST_SLOT
 
     def max_sleep(self) -> float:
         if self.listener is not None and self.listener.listening:

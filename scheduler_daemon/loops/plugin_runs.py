@@ -29,13 +29,13 @@ import time
 import traceback
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, cast
 
 import structlog
 
 from ..config.settings import Settings
-from ..db.plugin_store import FinishedSchedule, PluginStore, RunResult
+from ..db.plugin_store import Clock, FinishedSchedule, PluginStore, RunResult
 from ..errors import describe
 from ..leadership import Lease, PendingHold
 from ..logs import Logger
@@ -73,18 +73,6 @@ class Ended:
     duration: float
     log: Logger
     timeout: float
-
-
-@dataclass(frozen=True, slots=True)
-class Clock:
-    """The database's clock at a tick's read, against ours: a run's end, measured here, is
-    recorded on the database's clock without waiting for a statement to stamp it."""
-
-    db_now: datetime
-    local: float
-
-    def now(self) -> datetime:
-        return self.db_now + timedelta(seconds=time.monotonic() - self.local)
 
 
 class PluginRuns:

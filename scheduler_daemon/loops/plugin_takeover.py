@@ -1,8 +1,9 @@
 """What the plugin loop's leader writes before it claims: the deployment's declared tasks
 brought in line with their rows, the targets runtime schedules may name, and the runs its
 predecessors left ``running`` closed. loops/plugin.py calls these in a tick's transaction:
-a leadership's first tick, and a tick that closes orphaned runs (in transaction mode,
-every tick)."""
+a leadership's first tick takes over; a tick for a shard newly held or with orphaned runs
+(in transaction mode, every tick) abandons; a tick that found a declared task this
+deployment does not declare declares."""
 
 from __future__ import annotations
 
