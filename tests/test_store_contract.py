@@ -14,7 +14,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -235,6 +235,24 @@ async def test_a_claim_never_advances_a_schedule_before_its_slot(store: Store) -
     assert result.runs == []
     assert [(d.name, d.next_run_at) for d in result.window.due] == [("early", soon)]
     assert await rows(store, "SELECT count(*) AS n FROM scheduler_plugin_runs") == [{"n": 0}]
+
+
+async def test_a_run_starts_at_its_claim_not_at_its_transactions_start(store: Store) -> None:
+    """A claim in a transaction begun before the slot (a take-over's, a sharded member's):
+    the run it inserts started when the claim ran, after its slot, as the clock guard
+    decided it (a run recorded as started before its slot would be an early run)."""
+    now = await now_of(store)
+    slot = now + timedelta(milliseconds=300)
+    await add(store, "s", slot)
+    async with store.transaction() as tx:
+        past = slot + timedelta(milliseconds=50) - datetime.now(UTC)  # the server's clock
+        await asyncio.sleep(max(0.0, past.total_seconds()))
+        claimed = await PluginStore(tx).claim(
+            "r1", [Claim("s", slot, slot + timedelta(seconds=10), run_slot=slot)]
+        )
+    assert [r.name for r in claimed.runs] == ["s"]
+    [run] = await rows(store, "SELECT started_at FROM scheduler_plugin_runs")
+    assert run["started_at"] >= slot
 
 
 async def test_the_window_holds_the_next_ticks_work_and_what_the_claim_changed(

@@ -831,7 +831,9 @@ RETURNING name, slot, instance
 -- schedule the second waits on the row and then finds it changed (a claim that starts a
 -- run moves next_run_at or consumes the trigger). A tick may plan from a window read by an
 -- earlier statement, on its own estimate of the database's clock, so a claim never
--- advances a schedule before its slot by this clock (it is read again instead).
+-- advances a schedule before its slot by this clock (it is read again instead). The clock
+-- is the statement's (statement_timestamp()): in a transaction now() is its start, which
+-- may be before a slot this statement finds due, and a run's started_at never is.
 --
 -- The window, O(due), never O(schedules): what is due (its slot passed, or a trigger
 -- waits), oldest first, so that however far behind the leader is no schedule starves,
@@ -875,10 +877,11 @@ advanced AS (
         trigger_requested_at = CASE WHEN t.trigger_requested_at = c.seen_trigger THEN NULL
                                     ELSE t.trigger_requested_at END,
         last_slot = coalesce(c.run_slot, t.last_slot),
-        last_started_at = CASE WHEN c.run_slot IS NULL THEN t.last_started_at ELSE now() END,
+        last_started_at = CASE WHEN c.run_slot IS NULL THEN t.last_started_at
+                               ELSE statement_timestamp() END,
         last_status = CASE WHEN c.run_slot IS NULL THEN t.last_status ELSE 'running' END,
         run_count = t.run_count + (c.run_slot IS NOT NULL)::int,
-        updated_at = now()
+        updated_at = statement_timestamp()
     FROM locked c
     WHERE t.name = c.name AND t.next_run_at = c.seen_next AND t.active AND NOT t.paused
       AND (c.seen_definition IS NULL OR c.seen_definition = md5(json_build_array(
@@ -894,9 +897,9 @@ advanced AS (
     RETURNING t.*
 ),
 inserted AS (
-    INSERT INTO scheduler_plugin_runs (name, slot, instance, status, finished_at)
-    SELECT name, slot, :instance::text, status,
-           CASE WHEN status = 'running' THEN NULL ELSE now() END
+    INSERT INTO scheduler_plugin_runs (name, slot, instance, status, started_at, finished_at)
+    SELECT name, slot, :instance::text, status, statement_timestamp(),
+           CASE WHEN status = 'running' THEN NULL ELSE statement_timestamp() END
     FROM (SELECT c.name, c.run_slot AS slot, 'running' AS status
           FROM claim c JOIN advanced USING (name) WHERE c.run_slot IS NOT NULL
           UNION ALL
