@@ -149,6 +149,10 @@ class PluginWork:
         # What the last tick's statement read: the next tick plans its claim from it, so
         # that claim (and the next window's read) is one round trip. None: read first.
         self._window: DueBatch | None = None
+        # This tick's claims the database refused though their slot was due (a run still
+        # `running` that is not ours, say): name -> (slot read, next slot planned). Not
+        # tried again before that next slot, as if claimed, unless their row changes.
+        self._passed: dict[str, tuple[datetime, datetime]] = {}
         self._last_tick = 0.0
         self._lag_warned = 0.0
 
@@ -240,7 +244,8 @@ class PluginWork:
         self.runs.want(place=plan_.waiting or window.full, results=plan_.held or window.full)
         await self._write_plan(store, plan_, window, scope, log)
         self._report(window, now, plan_, log)
-        if not plan_.claims and read_now:
+        self._passed = {}
+        if not plan_.claims and not plan_.refused and read_now:
             return window, []  # just read: nothing to claim, nothing newer to read
         claimed = await self._claimed(store, plan_.claims, limit)
         return claimed.window, self._starts(plan_, claimed, log)
@@ -415,6 +420,7 @@ class PluginWork:
                 # Its next_run_at moved since the read (a change wins: looked at again next
                 # tick), or the slot was taken: nothing runs.
                 log.info("task.slot_taken", task=claim.name, slot=claim.run_slot.isoformat())
+                self._passed[claim.name] = (claim.seen_next, claim.next_run_at)
                 continue
             starts.append(
                 Start(plan_.specs[claim.name], claim.run_slot, run.id, plan_.shards[claim.name])
@@ -454,11 +460,15 @@ class PluginWork:
         by a sleep: the other schedules' slots still wake the loop on time."""
         if self._declare_due:
             return 0.0
-        ahead = self._plan(batch, set(), batch.now)  # as the next tick would, with the runs
+        passed = self._passed  # as if claimed, unless changed: due again at their next slot
+        kept = [d for d in batch.due if passed.get(d.name, (None,))[0] != d.next_run_at]
+        ahead = self._plan(replace(batch, due=kept), set(), batch.now)
         self.runs.want(place=ahead.waiting or batch.full, results=ahead.held or batch.full)
-        if ahead.claims or ahead.refused or (batch.full and self._free() > 0):
+        foreign = ahead.unknown and not self.sharded  # to be retired: declare at once
+        if ahead.claims or ahead.refused or foreign or (batch.full and self._free() > 0):
             return 0.0
         upcoming = [due.due_at() for due in batch.due if due.due_at() > batch.now]
+        upcoming += [following for _, following in passed.values()]
         if batch.next_slot is not None:
             upcoming.append(batch.next_slot)
         if not upcoming:
