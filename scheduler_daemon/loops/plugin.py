@@ -131,8 +131,7 @@ class PluginWork:
         self.sticky = sticky  # a lease lasts until lost (session mode, SQLite)
         self.listener = listener  # PostgreSQL, session mode
         # The runs in flight and their results (loops/plugin_runs.py).
-        wake = lambda: self.wake()  # noqa: E731 (the runner sets self.wake later)
-        self.runs = PluginRuns(settings, metrics, workers, self._label, wake, sticky)
+        self.runs = PluginRuns(settings, metrics, workers, self._label, lambda: self.wake(), sticky)
         # What a leadership writes before it claims (loops/plugin_takeover.py).
         self.takeover = Takeover(self.tasks, self.runnable, metrics, self._label)
         self.wake: Callable[[], None] = lambda: None  # the runner sets its own
@@ -371,8 +370,9 @@ class PluginWork:
             # end (its end wakes the loop).
             skip = slots[0] if slots else None
             if next_run_at != due.next_run_at or skip is not None:
-                claim = Claim(due.name, due.next_run_at, next_run_at, None, due.definition)
-                result.claims.append(replace(claim, skip_slot=skip))
+                claim = Claim(due.name, due.next_run_at, next_run_at, skip_slot=skip,
+                              seen_definition=due.definition)  # fmt: skip
+                result.claims.append(claim)
             result.waiting = result.waiting or trigger is not None
             return False
         if trigger is not None:
