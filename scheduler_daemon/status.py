@@ -402,7 +402,8 @@ def render_status(report: dict[str, Any]) -> str:
         if "members" in info:
             lines.extend(_render_shards(loop, info))
         elif leader:
-            age = leader.get("heartbeat_age")
+            age = leader.get("heartbeat_age")  # written after this read began: a hair < 0
+            age = None if age is None else max(0.0, age)
             lines.append(
                 f"{loop:<10} leader {leader['instance']} (host {leader.get('host') or '?'}, "
                 f"pid {leader.get('pid') or '?'}, since {leader.get('since') or '?'}, "
