@@ -12,6 +12,7 @@ import pytest
 from rig.processes import Daemons
 from rig.sql import fetch
 from rig.ticks import FAST_TIMINGS
+from rig.waiting import wait_until
 
 TESTS = str(Path(__file__).resolve().parent)
 
@@ -89,11 +90,17 @@ def test_a_leader_killed_mid_statement_frees_its_lock_promptly(
     took = time.monotonic() - killed
     print(f"takeover after SIGKILL mid-statement: {took:.2f} s")
     assert took < 15, "the lock must not wait for the dead leader's statement to end"
-    second.wait_for_log("task.abandoned", task="long")
+    second.wait_for_log("task.abandoned", task="long")  # logged before its commit
+
+    def long_runs() -> list[dict[str, object]]:
+        query = "SELECT name, status FROM scheduler_plugin_runs WHERE instance = 'first'"
+        return [run for run in fetch(pg_url, query) if run["name"] == "long"]
+
+    wait_until(
+        lambda: [r["status"] for r in long_runs()] == ["abandoned"], what="the abandon commit"
+    )
+    assert long_runs() == [{"name": "long", "status": "abandoned"}]
     runs = fetch(pg_url, "SELECT name, status FROM scheduler_plugin_runs WHERE instance = 'first'")
-    assert [run for run in runs if run["name"] == "long"] == [
-        {"name": "long", "status": "abandoned"}
-    ]
     # The built-in tasks ran beside it (fenced transactions of their own, not queued
     # behind its statement), and none is left running.
     assert "running" not in {run["status"] for run in runs}, runs
